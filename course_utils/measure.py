@@ -1,0 +1,205 @@
+"""Timing, peak memory and memory bandwidth, correct on CPU, CUDA and MPS (chapter 01 onwards).
+
+* :func:`time_call` -- warm-up runs, device synchronisation (CUDA events on a GPU,
+  ``time.perf_counter`` elsewhere), several repeats; reports median and spread.
+* :func:`peak_memory` -- the device allocator's peak on a GPU; on the CPU the peak
+  increase of the process's resident set (RSS) over its value just before the call,
+  sampled by a background thread while the call runs (portable: ``psutil``).
+* :func:`measure_bandwidth` -- bytes per second of a large read on this machine.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import psutil
+import torch
+
+from .models import resolve_device
+
+
+@dataclass
+class Timing:
+    """Seconds per call over ``repeats`` timed runs (after ``warmup`` untimed ones)."""
+
+    samples_s: list[float]
+    warmup: int = 0
+    device: str = "cpu"
+    result: Any = field(default=None, repr=False)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.samples_s)
+
+    @property
+    def min_s(self) -> float:
+        return min(self.samples_s)
+
+    @property
+    def max_s(self) -> float:
+        return max(self.samples_s)
+
+    @property
+    def spread_s(self) -> float:
+        """Half the distance between the fastest and the slowest run (seconds)."""
+        return (self.max_s - self.min_s) / 2
+
+    def __str__(self) -> str:
+        return (f"{self.median_s * 1e3:,.2f} ms median (min {self.min_s * 1e3:,.2f}, max {self.max_s * 1e3:,.2f}; "
+                f"{len(self.samples_s)} runs on {self.device})")
+
+
+def synchronize(device) -> None:
+    """Wait until queued work on ``device`` has finished (no-op on the CPU)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    elif dev.type == "mps":
+        torch.mps.synchronize()
+
+
+def _check_counts(warmup: int, repeats: int) -> None:
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+
+
+def time_call(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5, device="cpu") -> Timing:
+    """Time ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed ones.
+
+    On CUDA each run is bracketed by CUDA events; on CPU/MPS by ``perf_counter`` after a
+    device synchronisation. ``Timing.result`` holds the last call's return value.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    _check_counts(warmup, repeats)
+    dev = resolve_device(device)
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    synchronize(dev)
+    samples = []
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            result = fn()
+            synchronize(dev)
+            samples.append(time.perf_counter() - t0)
+    return Timing(samples, warmup=warmup, device=str(dev), result=result)
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], *, warmup: int = 1, repeats: int = 5,
+                     device="cpu") -> dict[str, Timing]:
+    """Time several callables in turn (A, B, A, B, ...) so machine noise hits them alike."""
+    if not fns:
+        raise ValueError("fns must name at least one callable")
+    _check_counts(warmup, repeats)
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for name, fn in fns.items():
+        for _ in range(warmup):
+            fn()
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            samples[name] += time_call(fn, warmup=0, repeats=1, device=device).samples_s
+    return {k: Timing(v, warmup=warmup, device=str(resolve_device(device))) for k, v in samples.items()}
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process, in bytes."""
+    return psutil.Process().memory_info().rss
+
+
+@dataclass
+class PeakMemory:
+    """Peak extra memory of one call: bytes above the level just before it."""
+
+    peak_bytes: int
+    baseline_bytes: int
+    device: str
+    how: str
+    result: Any = field(default=None, repr=False)
+
+    def __str__(self) -> str:
+        return f"{self.peak_bytes / 2**20:,.1f} MiB peak above baseline ({self.how} on {self.device})"
+
+
+class _RssSampler(threading.Thread):
+    def __init__(self, interval_s: float, read: Callable[[], int]):
+        super().__init__(daemon=True)
+        self.interval_s, self.read = interval_s, read
+        self.peak = read()
+        self._stop_event = threading.Event()
+
+    def run(self):
+        while not self._stop_event.is_set():
+            self.peak = max(self.peak, self.read())
+            self._stop_event.wait(self.interval_s)
+
+    def stop(self) -> int:
+        self._stop_event.set()
+        self.join()
+        self.peak = max(self.peak, self.read())
+        return self.peak
+
+
+def peak_memory(fn: Callable[[], Any], *, device="cpu", interval_s: float = 0.001) -> PeakMemory:
+    """Peak memory that ``fn()`` adds on ``device``.
+
+    GPU: ``torch.cuda.max_memory_allocated`` after a reset, minus the allocation before.
+    CPU (and MPS, whose memory is the process's): RSS sampled every ``interval_s`` seconds
+    in a background thread, peak minus the RSS just before the call. Short calls that
+    allocate and free between two samples can be under-counted; the final reading after
+    the call is always included.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        result = fn()
+        synchronize(dev)
+        return PeakMemory(torch.cuda.max_memory_allocated(dev) - before, before, str(dev),
+                          "CUDA allocator peak", result)
+    if dev.type == "mps":
+        read = lambda: torch.mps.driver_allocated_memory() + rss_bytes()  # noqa: E731
+        how = "MPS driver memory + RSS, sampled"
+    else:
+        read, how = rss_bytes, "process RSS, sampled"
+    synchronize(dev)
+    sampler = _RssSampler(interval_s, read)
+    before = sampler.peak
+    sampler.start()
+    try:
+        result = fn()
+        synchronize(dev)
+    finally:
+        peak = sampler.stop()
+    return PeakMemory(max(0, peak - before), before, str(dev), how, result)
+
+
+def measure_bandwidth(*, nbytes: int = 256 * 2**20, device="cpu", repeats: int = 7) -> float:
+    """Read bandwidth in bytes/second: the median time to sum a ``nbytes`` float32 tensor.
+
+    256 MiB is far larger than any CPU cache, so the sum streams from main memory. A
+    reduction does one add per 4-byte element, so it is bound by memory, not arithmetic.
+    """
+    if nbytes < 2**20:
+        raise ValueError(f"nbytes must be at least 1 MiB to measure memory, not cache; got {nbytes}")
+    dev = resolve_device(device)
+    x = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
+    t = time_call(lambda: x.sum(), warmup=2, repeats=repeats, device=dev)
+    del x
+    return (nbytes // 4) * 4 / t.median_s
