@@ -226,3 +226,53 @@ def macs_bytes_table(n_ctx: int, dims: ModelDims, weight_macs: int, *, bytes_per
         "KV cache bytes held": {"recompute": 0,
                                 "KV cache": kv_cache_bytes(n_ctx, dims, bytes_per_element=bytes_per_element)},
     }
+
+
+# --- benchmark rows (python -m course_utils.bench) ------------------------------------------------
+
+def bench(ctx):
+    """Load times, cached vs recomputed generation, decode step vs the bandwidth bound."""
+    import os
+    import shutil
+    import tempfile
+
+    from .bench import Row
+    from .measure import time_call
+    from .models import CACHE_ENV, load_model, weight_bytes
+
+    section = "01 KV cache"
+    model, tok = ctx.model()
+    if model.course_info.get("kind") == "gguf":
+        tmp, old = tempfile.mkdtemp(prefix="course-cold-"), os.environ.get(CACHE_ENV)
+        os.environ[CACHE_ENV] = tmp
+        try:
+            t0 = time.perf_counter()
+            load_model(ctx.model_name, device=ctx.device, verbose=False)
+            cold_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            load_model(ctx.model_name, device=ctx.device, verbose=False)
+            warm_s = time.perf_counter() - t0
+        finally:
+            os.environ.pop(CACHE_ENV) if old is None else os.environ.__setitem__(CACHE_ENV, old)
+            shutil.rmtree(tmp, ignore_errors=True)
+        yield Row(section, "model load, cold (GGUF conversion)", cold_s, "s")
+        yield Row(section, "model load, warm (cached conversion)", warm_s, "s", "<= 3 s", warm_s <= 3.0)
+    prompt = tok("The history of the printing press begins", return_tensors="pt").input_ids.to(model.device)
+    for n_new in (32, 128):
+        cached_s = time_call(lambda: greedy_cached(model, prompt, n_new), warmup=1, repeats=3,
+                             device=ctx.device).median_s
+        t0 = time.perf_counter()
+        slow = greedy_recompute(model, prompt, n_new)
+        recompute_s = time.perf_counter() - t0
+        same = torch.equal(slow, greedy_cached(model, prompt, n_new))
+        yield Row(section, f"recompute / cached wall time, {n_new} new tokens", recompute_s / cached_s, "x",
+                  note=f"cached {cached_s:.2f} s, recompute {recompute_s:.2f} s, tokens identical: {same}")
+    cache = DynamicCache(config=model.config)
+    first = prefill(model, prompt, cache).argmax(-1, keepdim=True)
+    step = time_call(lambda: decode_one_token(model, first, cache), warmup=2, repeats=10, device=ctx.device)
+    # each timed call appends one position; the extra positions do not change the step's cost measurably
+    floor_s = weight_bytes(model) / ctx.bandwidth_Bps()
+    yield Row(section, "memory read bandwidth", ctx.bandwidth_Bps() / 1e9, "GB/s")
+    yield Row(section, "decode step (batch 1), median", step.median_s * 1e3, "ms")
+    yield Row(section, "decode step / (weight bytes / bandwidth)", step.median_s / floor_s, "x",
+              note=f"floor {floor_s * 1e3:.1f} ms for {weight_bytes(model) / 1e6:.0f} MB")
