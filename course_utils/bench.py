@@ -25,6 +25,8 @@ import torch
 #: (section name, "module:function") in chapter order. Chapters append their own.
 SECTIONS: list[tuple[str, str]] = [
     ("01 KV cache", "course_utils.kv_cache:bench"),
+    ("02 prefill vs decode", "course_utils.prefill_decode:bench"),
+    ("03 KV-cache memory", "course_utils.memory_sizing:bench"),
 ]
 
 

@@ -1,0 +1,392 @@
+"""Chapter 02 -- prefill vs decode: two phases of generation with different physics.
+
+* Prefill runs the whole prompt (P tokens) through the model in one pass: big matrix-matrix
+  products, so the cost *per token* falls as P grows (:func:`prefill_sweep`).
+* Decode feeds one token against a cache of C tokens: a matrix-vector product per weight
+  matrix, so every step reads all the weights to produce one vector, and the step barely
+  depends on C (:func:`decode_sweep`). Its floor is ``weight_bytes / bandwidth``.
+
+The serving metrics are computed from the arrival times of a streamed generation, with the
+definitions serving benchmarks (vLLM's ``benchmarks/serve.py``) use:
+
+* TTFT -- request sent to first token;
+* TPOT -- (end-to-end latency - TTFT) / (tokens - 1);
+* ITL -- every gap between two consecutive tokens (a list, not one number).
+
+transformers' own benchmark (``benchmark_v2``) reports ``(t_last - t_first) / (tokens - 1)``
+under the name "inter-token latency": that is the TPOT quantity, one number per request.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+from transformers.generation.streamers import BaseStreamer
+
+from .kv_cache import decode_one_token, prefill
+from .measure import Timing, synchronize, time_call
+
+
+def _check_count(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+# --- prompts ------------------------------------------------------------------------------------
+
+def book_token_ids(tokenizer, n_tokens: int, *, device="cpu", text: str = "pride_and_prejudice") -> torch.Tensor:
+    """The first ``n_tokens`` tokens of a shipped public-domain text, as a (1, n_tokens) tensor.
+
+    Real prose rather than random ids, so every prompt length is an ordinary prompt.
+    """
+    from .data import load_text
+
+    _check_count("n_tokens", n_tokens)
+    body = load_text(text)
+    ids = tokenizer(body[: 8 * n_tokens + 1000], add_special_tokens=False, return_tensors="pt").input_ids
+    if ids.shape[1] < n_tokens:
+        ids = tokenizer(body, add_special_tokens=False, return_tensors="pt").input_ids
+    if ids.shape[1] < n_tokens:
+        raise ValueError(f"the text {text!r} has only {ids.shape[1]} tokens; asked for {n_tokens}")
+    return ids[:, :n_tokens].to(device)
+
+
+# --- timing the two phases ----------------------------------------------------------------------
+
+@dataclass
+class PhasePoint:
+    """One timed size: ``n_tokens`` prompt tokens (prefill) or cached tokens (decode)."""
+
+    n_tokens: int
+    timing: Timing
+
+    @property
+    def median_s(self) -> float:
+        return self.timing.median_s
+
+    @property
+    def per_token_s(self) -> float:
+        """Seconds per prompt token (prefill); for decode, use :attr:`median_s` (one token per step)."""
+        return self.timing.median_s / self.n_tokens
+
+
+def repeats_for(n_tokens: int, *, repeats: int, token_budget: int) -> int:
+    """Fewer repeats for long prompts: at most ``token_budget`` tokens timed per size, at least 1 run."""
+    _check_count("n_tokens", n_tokens)
+    _check_count("repeats", repeats)
+    _check_count("token_budget", token_budget)
+    return max(1, min(repeats, token_budget // n_tokens))
+
+
+def time_prefill(model, input_ids: torch.Tensor, *, warmup: int = 1, repeats: int = 3, device="cpu") -> Timing:
+    """Seconds to prefill ``input_ids`` (batch, P) into a fresh cache; ``Timing.result`` is the last cache."""
+    def run():
+        cache = DynamicCache(config=model.config)
+        prefill(model, input_ids, cache)
+        return cache
+    return time_call(run, warmup=warmup, repeats=repeats, device=device)
+
+
+def time_decode_step(model, cache: DynamicCache, token_ids: torch.Tensor, *, warmup: int = 1, repeats: int = 5,
+                     device="cpu") -> Timing:
+    """Seconds of one decode step against ``cache``; the cache is cropped back after each step.
+
+    So every timed step sees exactly the same number of cached tokens. ``token_ids``: (batch, 1).
+    """
+    def step():
+        logits = decode_one_token(model, token_ids, cache)
+        cache.crop(-1)                       # drop the position this step appended
+        return logits
+    return time_call(step, warmup=warmup, repeats=repeats, device=device)
+
+
+def _progress(items, desc: str):
+    from tqdm.auto import tqdm
+    return tqdm(items, desc=desc, leave=False)
+
+
+def prefill_sweep(model, input_ids: torch.Tensor, lengths, *, repeats: int = 3, token_budget: int = 2048,
+                  device="cpu") -> list[PhasePoint]:
+    """Time the prefill of the first P tokens of ``input_ids`` (1, >= max P) for each P in ``lengths``.
+
+    Each length gets ``repeats`` runs, fewer for long prompts (:func:`repeats_for`); the first
+    length also gets one warm-up run.
+    """
+    lengths = sorted(lengths)
+    if not lengths or lengths[-1] > input_ids.shape[1]:
+        raise ValueError(f"lengths must be non-empty and at most {input_ids.shape[1]} (the tokens given)")
+    points = []
+    for i, p in enumerate(_progress(lengths, "prefill sweep")):
+        t = time_prefill(model, input_ids[:, :p], warmup=1 if i == 0 else 0,
+                         repeats=repeats_for(p, repeats=repeats, token_budget=token_budget), device=device)
+        t.result = None                      # do not keep the caches alive
+        points.append(PhasePoint(p, t))
+    return points
+
+
+def decode_sweep(model, input_ids: torch.Tensor, lengths, *, repeats: int = 5, device="cpu") -> list[PhasePoint]:
+    """Time one decode step against caches of C tokens, for each C in ``lengths``.
+
+    The longest cache is prefilled once and cropped down to each shorter length.
+    """
+    lengths = sorted(lengths)
+    if not lengths or lengths[-1] >= input_ids.shape[1]:
+        raise ValueError(f"lengths must be non-empty and below {input_ids.shape[1]} (the tokens given)")
+    cache = DynamicCache(config=model.config)
+    prefill(model, input_ids[:, : lengths[-1]], cache)
+    points = []
+    for c in _progress(lengths[::-1], "decode sweep"):
+        cache.crop(c - cache.get_seq_length())          # a negative count: tokens to drop
+        token = input_ids[:, c:c + 1]
+        points.append(PhasePoint(c, time_decode_step(model, cache, token, warmup=1, repeats=repeats, device=device)))
+    return points[::-1]
+
+
+def weight_matvec_s(model, *, repeats: int = 5, device="cpu") -> Timing:
+    """Seconds to multiply one vector by every 2-D weight matrix of the model (no attention, no Python layers).
+
+    What the framework's own kernels need just to read the weights once, as a decode step must.
+    """
+    weights = [p for p in model.parameters() if p.dim() == 2]
+    inputs = [torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+
+    @torch.no_grad()
+    def run():
+        return [x @ w.T for x, w in zip(inputs, weights)]
+    return time_call(run, warmup=1, repeats=repeats, device=device)
+
+
+def decode_floor_s(weight_bytes: int, bandwidth_Bps: float) -> float:
+    """Lower bound of a decode step: every weight byte crosses the memory bus once."""
+    if weight_bytes <= 0 or not bandwidth_Bps > 0:
+        raise ValueError(f"weight_bytes and bandwidth_Bps must be positive, got {weight_bytes}, {bandwidth_Bps}")
+    return weight_bytes / bandwidth_Bps
+
+
+# --- a real streamed generation -----------------------------------------------------------------
+
+class TokenClock(BaseStreamer):
+    """A ``generate(streamer=...)`` streamer that records when each new token is handed over.
+
+    ``generate`` first passes the prompt, then each new token (batch 1); times are seconds
+    since ``t0`` (``time.perf_counter``). The hand-over follows a device-to-host copy, so
+    on a GPU the token really exists when its time is taken.
+    """
+
+    def __init__(self, t0: float):
+        self.t0 = t0
+        self.arrival_s: list[float] = []
+        self.token_ids: list[int] = []
+        self.end_s: float | None = None
+        self._seen_prompt = False
+
+    def put(self, value):
+        now = time.perf_counter() - self.t0
+        if not self._seen_prompt:
+            self._seen_prompt = True
+            return
+        ids = value.reshape(-1).tolist()
+        self.token_ids += ids
+        self.arrival_s += [now] * len(ids)
+
+    def end(self):
+        self.end_s = time.perf_counter() - self.t0
+
+
+@dataclass
+class StreamRecord:
+    """A streamed generation: arrival time of every new token (s since the request was sent)."""
+
+    prompt_tokens: int
+    token_ids: list[int]
+    arrival_s: list[float]
+    end_s: float
+    text: str = ""
+
+
+def chat_input_ids(tokenizer, user_message: str, *, device="cpu") -> torch.Tensor:
+    """Token ids (1, n) of one user message in the model's chat template (plain text if it has none)."""
+    if getattr(tokenizer, "chat_template", None):
+        enc = tokenizer.apply_chat_template([{"role": "user", "content": user_message}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)
+        ids = enc["input_ids"]
+    else:
+        ids = tokenizer(user_message, return_tensors="pt").input_ids
+    return ids.to(device)
+
+
+@torch.no_grad()
+def stream_generate(model, tokenizer, user_message: str, max_new_tokens: int, *, device="cpu") -> StreamRecord:
+    """Send one chat request to ``model.generate`` (greedy) and time every token as it is produced.
+
+    The clock starts before the prompt is tokenized, as a server's would when the request
+    arrives. Exactly ``max_new_tokens`` tokens are generated (end-of-sequence is held off),
+    so runs are comparable.
+    """
+    _check_count("max_new_tokens", max_new_tokens)
+    synchronize(device)
+    t0 = time.perf_counter()
+    ids = chat_input_ids(tokenizer, user_message, device=model.device)
+    clock = TokenClock(t0)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                   min_new_tokens=max_new_tokens, do_sample=False, streamer=clock,
+                   pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+    return StreamRecord(ids.shape[1], clock.token_ids, clock.arrival_s, clock.end_s,
+                        tokenizer.decode(clock.token_ids, skip_special_tokens=True))
+
+
+# --- serving metrics (pure) ---------------------------------------------------------------------
+
+def _check_arrivals(arrival_s) -> np.ndarray:
+    t = np.asarray(list(arrival_s), dtype=float)
+    if t.ndim != 1 or t.size < 2:
+        raise ValueError(f"need the arrival times of at least 2 tokens, got {t.size}")
+    if not np.all(np.isfinite(t)):
+        raise ValueError("arrival times must be finite numbers (seconds since the request was sent)")
+    if t[0] < 0:
+        raise ValueError(f"arrival times are seconds since the request was sent, so >= 0; got {t[0]}")
+    if np.any(np.diff(t) < 0):
+        raise ValueError("arrival times must be sorted (non-decreasing): token i+1 cannot arrive before token i")
+    return t
+
+
+def ttft_s(arrival_s) -> float:
+    """Time to first token: request sent (t = 0) to the first token's arrival."""
+    return float(_check_arrivals(arrival_s)[0])
+
+
+def inter_token_gaps_s(arrival_s) -> list[float]:
+    """ITL: every gap between consecutive tokens (n - 1 values)."""
+    return np.diff(_check_arrivals(arrival_s)).tolist()
+
+
+def tpot_s(arrival_s, end_s: float | None = None) -> float:
+    """Time per output token after the first: (end-to-end latency - TTFT) / (tokens - 1).
+
+    ``end_s`` (when the response completed) defaults to the last token's arrival.
+    """
+    t = _check_arrivals(arrival_s)
+    end = float(t[-1]) if end_s is None else float(end_s)
+    if not math.isfinite(end) or end < t[-1]:
+        raise ValueError(f"end_s must be a number >= the last arrival ({t[-1]}), got {end_s!r}")
+    return float(end - t[0]) / (t.size - 1)
+
+
+def hf_inter_token_latency_s(arrival_s) -> float:
+    """What transformers' ``benchmark_v2`` calls inter-token latency: (t_last - t_first) / (tokens - 1).
+
+    The TPOT quantity under another name (one number per request, not the list of gaps).
+    """
+    t = _check_arrivals(arrival_s)
+    return float(t[-1] - t[0]) / (t.size - 1)
+
+
+@dataclass(frozen=True)
+class StreamMetrics:
+    """Serving metrics of one request (seconds; tokens per second)."""
+
+    n_tokens: int
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    itl_s: tuple[float, ...] = field(repr=False)
+    hf_inter_token_latency_s: float = 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Speed once the answer streams: 1 / TPOT."""
+        return 1.0 / self.tpot_s if self.tpot_s > 0 else math.inf
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        """Tokens over the whole request, prefill included: n / end-to-end latency."""
+        return self.n_tokens / self.e2e_s
+
+    @property
+    def itl_median_s(self) -> float:
+        return float(np.median(self.itl_s))
+
+    @property
+    def itl_p99_s(self) -> float:
+        return float(np.percentile(self.itl_s, 99))
+
+
+def stream_metrics(arrival_s, end_s: float | None = None) -> StreamMetrics:
+    """All metrics of one streamed request from its token arrival times (s since it was sent)."""
+    t = _check_arrivals(arrival_s)
+    tpot = tpot_s(t, end_s)
+    e2e = float(t[-1] if end_s is None else end_s)
+    return StreamMetrics(int(t.size), float(t[0]), tpot, e2e, tuple(np.diff(t).tolist()),
+                         hf_inter_token_latency_s(t))
+
+
+def predicted_latency_s(ttft: float, tpot: float, new_tokens: int) -> float:
+    """End-to-end latency of ``new_tokens`` tokens: TTFT + (new_tokens - 1) x TPOT."""
+    _check_count("new_tokens", new_tokens)
+    if not (ttft >= 0 and tpot >= 0 and math.isfinite(ttft) and math.isfinite(tpot)):
+        raise ValueError(f"ttft and tpot must be finite and >= 0, got {ttft!r}, {tpot!r}")
+    return ttft + (new_tokens - 1) * tpot
+
+
+# --- widget -------------------------------------------------------------------------------------
+
+def latency_figure(prompt_tokens: int, new_tokens: int, *, prefill_s: dict[int, float], tpot: float):
+    """Widget figure: measured prefill time vs prompt length with the chosen P highlighted (left),
+    and the predicted end-to-end latency split into prefill and decode (right).
+
+    ``prefill_s``: measured seconds per prompt length (the TTFT of that prompt, near enough);
+    ``tpot``: measured seconds per output token. Pure: depends only on its arguments.
+    """
+    from plotly.subplots import make_subplots
+
+    from .plots import PALETTE, TEMPLATE
+
+    if prompt_tokens not in prefill_s:
+        raise ValueError(f"prompt_tokens must be one of the measured lengths {sorted(prefill_s)}, got {prompt_tokens!r}")
+    ttft = prefill_s[prompt_tokens]
+    total = predicted_latency_s(ttft, tpot, new_tokens)
+    decode = total - ttft
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.5, 0.5], horizontal_spacing=0.14,
+                        subplot_titles=("Measured prefill (≈ TTFT)", "Predicted end-to-end latency"))
+    xs = sorted(prefill_s)
+    fig.add_scatter(x=xs, y=[prefill_s[p] for p in xs], mode="lines+markers", name="prefill, measured",
+                    line_color=PALETTE[0], row=1, col=1)
+    fig.add_scatter(x=[prompt_tokens], y=[ttft], mode="markers", name="this prompt",
+                    marker=dict(size=14, color=PALETTE[5], symbol="diamond"), row=1, col=1)
+    fig.add_bar(x=["latency"], y=[ttft], name="prefill (TTFT)", marker_color=PALETTE[0], row=1, col=2)
+    fig.add_bar(x=["latency"], y=[decode], name=f"{new_tokens - 1} more tokens × TPOT", marker_color=PALETTE[1],
+                row=1, col=2)
+    fig.update_layout(template=TEMPLATE, barmode="stack", height=420, hovermode="closest",
+                      title=f"{prompt_tokens:,}-token prompt, {new_tokens:,} new tokens: {total:,.2f} s predicted, "
+                            f"{100 * ttft / total:.0f} % of it spent before the first token")
+    fig.update_xaxes(title="prompt length P (tokens)", type="log", row=1, col=1)
+    fig.update_yaxes(title="prefill time (s)", row=1, col=1)
+    fig.update_yaxes(title="seconds", row=1, col=2)
+    return fig
+
+
+# --- benchmark rows (python -m course_utils.bench) ------------------------------------------------
+
+def bench(ctx):
+    """Prefill cost per token, decode step vs cache length, bandwidth and the decode floor."""
+    from .bench import Row
+    from .models import weight_bytes
+
+    section = "02 prefill vs decode"
+    model, tok = ctx.model()
+    ids = book_token_ids(tok, 1025, device=model.device)
+    for point in prefill_sweep(model, ids, [16, 256, 1024], repeats=3, token_budget=2048, device=ctx.device):
+        yield Row(section, f"prefill per token, P = {point.n_tokens}", point.per_token_s * 1e3, "ms",
+                  note=f"{point.median_s * 1e3:,.0f} ms for the whole prompt, {len(point.timing.samples_s)} runs")
+    steps = decode_sweep(model, ids, [16, 256, 1024], repeats=5, device=ctx.device)
+    for point in steps:
+        yield Row(section, f"decode step, C = {point.n_tokens} cached tokens", point.median_s * 1e3, "ms",
+                  note=f"spread ±{point.timing.spread_s * 1e3:.1f} ms")
+    floor_s = decode_floor_s(weight_bytes(model), ctx.bandwidth_Bps())
+    yield Row(section, "memory read bandwidth", ctx.bandwidth_Bps() / 1e9, "GB/s")
+    yield Row(section, "decode step (C = 16) / (weight bytes / bandwidth)", steps[0].median_s / floor_s, "x",
+              note=f"floor {floor_s * 1e3:.1f} ms for {weight_bytes(model) / 1e6:,.0f} MB of weights")

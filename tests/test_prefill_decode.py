@@ -1,0 +1,163 @@
+"""Chapter 02: serving metrics from arrival times, the timing helpers, the streamed generation."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from course_utils import prefill_decode as pd
+from course_utils.kv_cache import decode_one_token, greedy_cached, prefill
+
+# --- metrics on hand-made arrival times -----------------------------------------------------------------
+
+ARRIVALS = [0.5, 0.6, 0.8, 1.1]          # seconds since the request was sent
+
+
+def test_metrics_on_hand_made_times():
+    assert pd.ttft_s(ARRIVALS) == 0.5
+    assert pd.inter_token_gaps_s(ARRIVALS) == pytest.approx([0.1, 0.2, 0.3])
+    assert pd.tpot_s(ARRIVALS) == pytest.approx((1.1 - 0.5) / 3)
+    assert pd.tpot_s(ARRIVALS, end_s=1.4) == pytest.approx((1.4 - 0.5) / 3)
+    assert pd.hf_inter_token_latency_s(ARRIVALS) == pytest.approx(0.2)
+    m = pd.stream_metrics(ARRIVALS)
+    assert (m.n_tokens, m.ttft_s, m.e2e_s) == (4, 0.5, 1.1)
+    assert m.tpot_s == pytest.approx(0.2) and m.hf_inter_token_latency_s == pytest.approx(m.tpot_s)
+    assert m.decode_tokens_per_s == pytest.approx(5.0)
+    assert m.output_tokens_per_s == pytest.approx(4 / 1.1)
+    assert m.itl_median_s == pytest.approx(0.2)
+    assert m.itl_p99_s == pytest.approx(0.2 + 0.98 * 0.1)           # linear interpolation, as numpy does
+    assert isinstance(m.tpot_s, float) and isinstance(m.ttft_s, float)
+
+
+def test_end_after_last_token_changes_tpot_not_hf_itl():
+    m = pd.stream_metrics(ARRIVALS, end_s=1.4)
+    assert m.e2e_s == 1.4 and m.tpot_s == pytest.approx(0.3) and m.hf_inter_token_latency_s == pytest.approx(0.2)
+
+
+def test_tokens_in_one_chunk_have_zero_gaps():
+    assert pd.inter_token_gaps_s([0.2, 0.2, 0.5]) == pytest.approx([0.0, 0.3])
+
+
+@given(st.lists(st.floats(0, 10, allow_nan=False), min_size=2, max_size=50))
+def test_tpot_is_the_mean_gap_when_the_response_ends_with_its_last_token(times):
+    times = sorted(times)
+    gaps = pd.inter_token_gaps_s(times)
+    assert pd.tpot_s(times) == pytest.approx(sum(gaps) / len(gaps), abs=1e-12)
+    assert pd.tpot_s(times) == pytest.approx(pd.hf_inter_token_latency_s(times), abs=1e-12)
+
+
+@pytest.mark.parametrize("bad", [[], [0.3], [0.5, 0.4], [0.1, 0.3, 0.2], [-0.1, 0.2], [0.1, float("nan")],
+                                 [0.1, float("inf")]])
+@pytest.mark.parametrize("fn", [pd.ttft_s, pd.tpot_s, pd.inter_token_gaps_s, pd.hf_inter_token_latency_s,
+                                pd.stream_metrics])
+def test_bad_arrival_times_are_rejected(fn, bad):
+    with pytest.raises(ValueError):
+        fn(bad)
+
+
+def test_end_before_last_token_is_rejected():
+    with pytest.raises(ValueError, match="end_s"):
+        pd.tpot_s(ARRIVALS, end_s=1.0)
+
+
+def test_predicted_latency():
+    assert pd.predicted_latency_s(0.5, 0.2, 10) == pytest.approx(0.5 + 9 * 0.2)
+    assert pd.predicted_latency_s(0.5, 0.2, 1) == 0.5
+    for bad in [(0.5, 0.2, 0), (-1.0, 0.2, 3), (0.5, float("nan"), 3), (0.5, 0.2, 2.5)]:
+        with pytest.raises(ValueError):
+            pd.predicted_latency_s(*bad)
+
+
+def test_repeats_for_and_floor():
+    assert pd.repeats_for(16, repeats=3, token_budget=2048) == 3
+    assert pd.repeats_for(1024, repeats=3, token_budget=2048) == 2
+    assert pd.repeats_for(4096, repeats=3, token_budget=2048) == 1
+    with pytest.raises(ValueError):
+        pd.repeats_for(0, repeats=3, token_budget=2048)
+    assert pd.decode_floor_s(500, 1000.0) == 0.5
+    with pytest.raises(ValueError):
+        pd.decode_floor_s(500, 0.0)
+
+
+# --- the timing helpers keep the cache exact ------------------------------------------------------------
+
+def test_timed_decode_step_sees_exactly_c_cached_tokens(tiny_model):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (1, 40))
+    cache = DynamicCache(config=tiny_model.config)
+    prefill(tiny_model, ids[:, :32], cache)
+    timing = pd.time_decode_step(tiny_model, cache, ids[:, 32:33], warmup=1, repeats=3)
+    assert cache.get_seq_length() == 32
+    fresh = DynamicCache(config=tiny_model.config)
+    prefill(tiny_model, ids[:, :32], fresh)
+    expected = decode_one_token(tiny_model, ids[:, 32:33], fresh)
+    torch.testing.assert_close(timing.result, expected)
+
+
+def test_sweeps_return_every_length_in_order(tiny_model):
+    ids = torch.randint(0, 128, (1, 70))
+    points = pd.prefill_sweep(tiny_model, ids, [64, 16, 32], repeats=2, token_budget=40)
+    assert [p.n_tokens for p in points] == [16, 32, 64]
+    assert [len(p.timing.samples_s) for p in points] == [2, 1, 1]
+    assert all(p.per_token_s == p.median_s / p.n_tokens and p.timing.result is None for p in points)
+    steps = pd.decode_sweep(tiny_model, ids, [64, 8, 16], repeats=2)
+    assert [p.n_tokens for p in steps] == [8, 16, 64]
+    with pytest.raises(ValueError):
+        pd.decode_sweep(tiny_model, ids, [70])
+    with pytest.raises(ValueError):
+        pd.prefill_sweep(tiny_model, ids, [])
+
+
+def test_weight_matvec_reads_every_matrix(tiny_llama):
+    timing = pd.weight_matvec_s(tiny_llama, repeats=1)
+    assert len(timing.result) == sum(1 for p in tiny_llama.parameters() if p.dim() == 2)
+
+
+# --- a real streamed generation ----------------------------------------------------------------------------
+
+def test_token_clock_skips_the_prompt():
+    clock = pd.TokenClock(t0=0.0)
+    clock.put(torch.tensor([[5, 6, 7]]))         # the prompt
+    clock.put(torch.tensor([8]))
+    clock.put(torch.tensor([9]))
+    clock.end()
+    assert clock.token_ids == [8, 9] and len(clock.arrival_s) == 2
+    assert clock.arrival_s[0] <= clock.arrival_s[1] <= clock.end_s
+
+
+def test_stream_generate_times_the_greedy_tokens(embedded):
+    model, tok = embedded
+    record = pd.stream_generate(model, tok, "What is the capital of France?", 5)
+    ids = pd.chat_input_ids(tok, "What is the capital of France?")
+    assert record.prompt_tokens == ids.shape[1]
+    assert record.token_ids == greedy_cached(model, ids, 5)[0].tolist()
+    assert len(record.arrival_s) == 5 and record.arrival_s == sorted(record.arrival_s)
+    assert record.arrival_s[-1] <= record.end_s
+    m = pd.stream_metrics(record.arrival_s, record.end_s)
+    assert m.n_tokens == 5 and 0 < m.ttft_s <= m.e2e_s
+
+
+def test_book_token_ids(embedded):
+    _, tok = embedded
+    ids = pd.book_token_ids(tok, 300)
+    assert ids.shape == (1, 300)
+    assert tok.decode(ids[0, :5]).startswith("It is a truth")
+    with pytest.raises(ValueError):
+        pd.book_token_ids(tok, 0)
+
+
+# --- widget ---------------------------------------------------------------------------------------------------
+
+def test_latency_figure_predicts_from_measurements():
+    prefill_s = {16: 0.1, 64: 0.2, 256: 0.5}
+    fig = pd.latency_figure(64, 11, prefill_s=prefill_s, tpot=0.1)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert sum(b.y[0] for b in bars) == pytest.approx(0.2 + 10 * 0.1)
+    assert "1.20 s predicted" in fig.layout.title.text
+    with pytest.raises(ValueError, match="measured lengths"):
+        pd.latency_figure(100, 11, prefill_s=prefill_s, tpot=0.1)
+    assert math.isclose(fig.data[1].y[0], 0.2)
