@@ -1,0 +1,151 @@
+"""Tests for course_utils.outliers (chapter 06): hooks, outlier statistics, INT8 levels and the fixes."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from course_utils import outliers as O
+
+
+def test_hooks_record_the_same_states_as_output_hidden_states(tiny_model):
+    ids = torch.randint(0, 128, (1, 12))
+    hooks_before = [len(layer._forward_hooks) for layer in O.decoder_layers(tiny_model)]
+    h = O.residual_stream(tiny_model, ids)
+    assert [len(layer._forward_hooks) for layer in O.decoder_layers(tiny_model)] == hooks_before
+    n = tiny_model.config.num_hidden_layers
+    with torch.no_grad():
+        ref = tiny_model(ids, output_hidden_states=True).hidden_states
+    assert h.shape == (n, 12, tiny_model.config.hidden_size)
+    for i in range(n - 1):                      # the last entry of hidden_states has the final norm applied
+        assert torch.equal(h[i], ref[i + 1][0])
+
+
+def _stream_with_outlier():
+    torch.manual_seed(0)
+    h = torch.randn(6, 20, 32)
+    h[2:5, :, 7] *= 1000                        # dimension 7 huge in layers 2..4
+    h[:, 3, 11] = 50                            # dimension 11 large on one token, every layer
+    return h
+
+
+def test_outlier_statistics_find_the_planted_dimensions():
+    h = _stream_with_outlier()
+    m = O.dim_max(h)
+    assert m.shape == (6, 32)
+    assert O.outlier_dims(m, 2) == [7, 11]
+    assert O.outlier_span(m, 7) == (2, 4)
+    assert O.outlier_span(m, 3) is None
+
+
+def test_log2_histogram_uses_power_of_two_bins():
+    edges, counts = O.log2_histogram(torch.tensor([0.3, 0.5, 1.0, 1.5, 3.0, 3.9, 100.0, 0.0]))
+    assert edges[0] == 0.25 and edges[-1] == 64.0
+    assert counts == [1, 1, 2, 2, 0, 0, 0, 0, 1] and sum(counts) == 7
+
+
+def test_one_huge_dimension_leaves_ordinary_dimensions_one_level():
+    torch.manual_seed(0)
+    x = torch.randn(84, 16) * 0.3
+    x[5, 0] = 1500.0
+    scale = O.int8_scale(x)
+    assert scale == pytest.approx(1500 / 127)
+    overall, per_dim = O.levels_used(x, scale)
+    assert per_dim[0] == 2 and (per_dim[1:] == 1).all() and overall == 2
+    small = O.int8_scale(x, exclude_dims=[0])
+    assert small == pytest.approx(x[:, 1:].abs().max().item() / 127)
+    assert (O.levels_used(x, small)[1][1:] > 20).all()
+
+
+def test_fake_int8_error_is_at_most_half_a_step():
+    torch.manual_seed(0)
+    x = torch.randn(30, 40) * 3
+    for dim in (None, 0, 1):
+        a = x.abs().amax() if dim is None else x.abs().amax(dim=dim, keepdim=True)
+        err = (O.fake_int8(x, dim) - x).abs()
+        assert (err <= a / 127 / 2 + 1e-6).all()
+
+
+def test_llm_int8_limits_are_exact_and_per_token():
+    torch.manual_seed(0)
+    x, w = torch.randn(20, 24), torch.randn(10, 24)
+    exact = x @ w.T
+    assert torch.allclose(O.llm_int8_output(x, w, threshold=0.0), exact, atol=1e-5)   # everything in float
+    assert torch.equal(O.llm_int8_output(x, w, threshold=math.inf), O.w8a8_output(x, w, "token"))
+
+
+def test_smoothing_keeps_the_product_and_helps_an_outlier_channel():
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 32), torch.randn(16, 32) * 0.1
+    x[:, 3] *= 200
+    s = O.smoothquant_scales(x, w, 0.5)
+    assert torch.allclose((x / s) @ (w * s).T, x @ w.T, rtol=1e-4, atol=1e-3)
+    y = x @ w.T
+    plain = O.per_token_error(y, O.w8a8_output(x, w, "tensor"))
+    smooth = O.per_token_error(y, O.smoothquant_output(x, w, 0.5, act="tensor"))
+    assert smooth < plain / 3
+
+
+def test_fix_errors_and_sweeps():
+    torch.manual_seed(0)
+    x, w = torch.randn(40, 32), torch.randn(16, 32)
+    x[:, 0] *= 100
+    errs = O.fix_errors(x, w, threshold=6.0, alpha=0.5)
+    assert errs["activations per-tensor"] > errs["activations per-channel (not an integer matmul)"]
+    assert errs["LLM.int8, threshold 6"] < errs["activations per-tensor"]
+    sw = O.threshold_sweep(x, w, [0.5, 6.0, 1e6])
+    assert sw["kept"][0] == 32 and sw["kept"][-1] == 0
+    assert sw["kept"] == sorted(sw["kept"], reverse=True)
+    al = O.alpha_sweep(x, w, [0.0, 0.5, 1.0])
+    assert len(al["error_tensor"]) == 3
+
+
+def test_threshold_figure_is_pure_and_redraws():
+    torch.manual_seed(0)
+    x, w = torch.randn(40, 32), torch.randn(16, 32)
+    x[:, 0] *= 100
+    sweeps = {"model.layers.0.q_proj": O.threshold_sweep(x, w, [1.0, 6.0, 100.0])}
+    a, b = O.threshold_figure(sweeps, 1.0), O.threshold_figure(sweeps, 100.0)
+    assert a.data[1].x != b.data[1].x and a.layout.title.text != b.layout.title.text
+    assert O.threshold_figure(sweeps, 1.0).to_plotly_json() == a.to_plotly_json()
+    with pytest.raises(ValueError, match="precomputed"):
+        O.threshold_figure(sweeps, 2.0)
+
+
+def test_pick_layers_uses_the_activations():
+    x_quiet, x_loud = torch.ones(5, 8), torch.ones(5, 8)
+    x_loud[0, 3] = 1000
+    picked = O.pick_layers({"m.layers.0.self_attn.q_proj": x_quiet, "m.layers.1.self_attn.q_proj": x_quiet * 2,
+                            "m.layers.1.mlp.down_proj": x_loud})
+    assert picked["most extreme input"] == "m.layers.1.mlp.down_proj"
+    assert picked["reads the residual stream"].endswith("q_proj")
+    assert O.default_layer(24) == 16 and O.default_layer(2) == 1
+
+
+def test_capture_projection_inputs_covers_every_projection(tiny_llama):
+    got = O.capture_projection_inputs(tiny_llama, torch.randint(0, 128, (1, 9)))
+    assert len(got) == 14 and all(v.shape[0] == 9 for v in got.values())
+
+
+def test_bad_inputs_are_rejected():
+    with pytest.raises(ValueError, match="n_layers, n_tokens"):
+        O.dim_max(torch.randn(3, 4))
+    with pytest.raises(ValueError, match="k must be"):
+        O.outlier_dims(torch.randn(2, 4), 5)
+    with pytest.raises(ValueError, match="no positive"):
+        O.log2_histogram(torch.zeros(3))
+    with pytest.raises(ValueError, match="leaves no dimension"):
+        O.int8_scale(torch.randn(3, 2), exclude_dims=[0, 1])
+    with pytest.raises(ValueError, match="scale must be positive"):
+        O.int8_codes(torch.randn(3), 0.0)
+    with pytest.raises(ValueError, match="same in"):
+        O.w8a8_output(torch.randn(3, 4), torch.randn(2, 5))
+    with pytest.raises(ValueError, match="act must be"):
+        O.w8a8_output(torch.randn(3, 4), torch.randn(2, 4), "row")
+    with pytest.raises(ValueError, match="alpha must be"):
+        O.smoothquant_scales(torch.randn(3, 4), torch.randn(2, 4), 1.5)
+    with pytest.raises(ValueError, match="one shape"):
+        O.per_token_error(torch.randn(3, 4), torch.randn(3, 5))
+    with pytest.raises(ValueError, match="input_ids must be"):
+        O.residual_stream(None, torch.ones(5, dtype=torch.long))
