@@ -1,0 +1,409 @@
+"""Chapter 04 -- batching: the batch-size sweep, its knee, and static vs continuous batching simulated.
+
+* :func:`decode_step_sweep` measures one decode step for B requests that each hold a
+  64-token cache; :func:`find_knee` finds where growing the batch stops paying.
+* :class:`StepCost` turns the sweep into a per-step cost function of the batch size.
+* :func:`syllabus_output_lengths` builds the chapter's workload (64 requests, median 18,
+  longest 231, 1,874 output tokens); :func:`skewed_lengths` dials its skew.
+* :func:`simulate` replays a workload under ``"static"`` or ``"continuous"`` batching and
+  returns a :class:`Schedule` (who sat in which slot when, and when each was heard).
+
+The real engine that runs the model this way lives in :mod:`course_utils.engine`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+import torch
+
+from .plots import PALETTE, TEMPLATE
+
+# ---- the measured sweep ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One batch size of the sweep: the median seconds of one decode step and their spread."""
+
+    batch: int
+    step_s: float
+    spread_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Throughput: every request gets one token per step."""
+        return self.batch / self.step_s
+
+    @property
+    def latency_s(self) -> float:
+        """Per-request latency of one token: each request waits for the whole step."""
+        return self.step_s
+
+
+def _check_batch_sizes(batch_sizes) -> list[int]:
+    sizes = list(batch_sizes)
+    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
+        raise ValueError(f"batch sizes must be positive integers, got {batch_sizes!r}")
+    if sizes != sorted(set(sizes)):
+        raise ValueError(f"batch sizes must be strictly increasing, got {sizes}")
+    return sizes
+
+
+def _replicated_cache(model, keys, values, batch: int):
+    """A transformers cache holding ``batch`` copies of one sequence's keys and values."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(zip(keys, values)):
+        cache.update(k.expand(batch, -1, -1, -1), v.expand(batch, -1, -1, -1), i)
+    return cache
+
+
+@torch.no_grad()
+def decode_step_sweep(model, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *, context_len: int = 64, repeats: int = 3,
+                      device=None, seed: int = 0, progress: bool = True) -> list[SweepPoint]:
+    """Time one decode step of B requests, each with a ``context_len``-token cache, for each B.
+
+    Every request holds the same cache (prefilled once and copied B times; the content does
+    not change the cost). The batch sizes are visited in turn, ``repeats`` rounds after one
+    warm-up round, so machine noise hits them alike; each point is the median step.
+    """
+    from .kv_cache import prefill
+    from .measure import time_call
+    sizes = _check_batch_sizes(batch_sizes)
+    if not isinstance(context_len, int) or context_len < 1:
+        raise ValueError(f"context_len must be a positive integer, got {context_len!r}")
+    device = model.device if device is None else torch.device(device)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, context_len), generator=gen).to(model.device)
+    from transformers import DynamicCache
+    base = DynamicCache(config=model.config)
+    first = prefill(model, ids, base).argmax(-1)                   # (1,)
+    keys = [layer.keys for layer in base.layers]
+    values = [layer.values for layer in base.layers]
+    samples: dict[int, list[float]] = {b: [] for b in sizes}
+    rounds = range(repeats + 1)
+    if progress:
+        from tqdm.auto import tqdm
+        rounds = tqdm(rounds, desc="batch sweep (round 0 = warm-up)", unit="round")
+    for r in rounds:
+        for b in sizes:
+            cache = _replicated_cache(model, keys, values, b)
+            step = lambda: model(first.expand(b)[:, None], cache=cache, use_cache=True)  # noqa: E731
+            t = time_call(step, warmup=0, repeats=1, device=device).samples_s[0]
+            if r:
+                samples[b].append(t)
+            del cache
+    return [SweepPoint(b, float(np.median(s)), (max(s) - min(s)) / 2) for b, s in samples.items()]
+
+
+def find_knee(batch_sizes: Sequence[int], tokens_per_s: Sequence[float], *, min_gain: float = 0.25) -> int | None:
+    """The batch size after which doubling the batch first buys less than ``min_gain`` more throughput.
+
+    Gains between batch sizes that are not a doubling apart are scaled to one doubling
+    (``ratio ** (1 / log2(B2 / B1))``). Returns None when every step up still pays.
+    """
+    sizes = _check_batch_sizes(batch_sizes)
+    if len(sizes) != len(tokens_per_s) or len(sizes) < 2:
+        raise ValueError("need one throughput per batch size, and at least two batch sizes")
+    if any(not t > 0 for t in tokens_per_s):
+        raise ValueError("throughputs must be positive")
+    for (b1, t1), (b2, t2) in zip(zip(sizes, tokens_per_s), zip(sizes[1:], tokens_per_s[1:])):
+        gain_per_doubling = (t2 / t1) ** (1 / math.log2(b2 / b1)) - 1
+        if gain_per_doubling < min_gain:
+            return b1
+    return None
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """Seconds of one decode step as a function of the batch size, from measured points.
+
+    Linear interpolation between the measured batch sizes, made non-decreasing (a larger
+    batch never costs less than a smaller one: the dips are noise); below the smallest
+    measured batch it is flat, beyond the largest it continues the last segment's slope.
+    """
+
+    batches: tuple[int, ...]
+    step_s: tuple[float, ...]
+
+    def __post_init__(self):
+        _check_batch_sizes(self.batches)
+        if len(self.batches) != len(self.step_s) or any(not s > 0 for s in self.step_s):
+            raise ValueError("need one positive step time per batch size")
+
+    @classmethod
+    def from_sweep(cls, points: Sequence[SweepPoint]) -> "StepCost":
+        return cls(tuple(p.batch for p in points), tuple(p.step_s for p in points))
+
+    def __call__(self, batch: int) -> float:
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch}")
+        s = np.maximum.accumulate(np.asarray(self.step_s, dtype=float))
+        b = np.asarray(self.batches, dtype=float)
+        if batch <= b[-1] or len(b) == 1:
+            return float(np.interp(batch, b, s))
+        slope = max(0.0, (s[-1] - s[-2]) / (b[-1] - b[-2]))
+        return float(s[-1] + slope * (batch - b[-1]))
+
+
+# ---- the workload -------------------------------------------------------------------------------
+
+
+def round_preserving_total(x: Sequence[float], total: int) -> np.ndarray:
+    """Round non-negative reals to integers that sum exactly to ``total`` (largest remainders get +1)."""
+    x = np.asarray(x, dtype=float)
+    if np.any(x < 0) or not math.isclose(x.sum(), total, rel_tol=1e-9, abs_tol=1e-6):
+        raise ValueError(f"need non-negative values summing to {total}, got sum {x.sum():.6g}")
+    out = np.floor(x).astype(int)
+    short = total - int(out.sum())
+    out[np.argsort(-(x - out), kind="stable")[:short]] += 1
+    return out
+
+
+def _upper_tail(u: np.ndarray, median: float, longest: float, target: float) -> np.ndarray:
+    """Map values ``u`` in (0, 1) to ``median + (longest - median) * u ** q``, with q chosen so they sum to ``target``."""
+    lo, hi = 1e-3, 1e3                                          # the shape exponent: larger -> smaller sum
+    for _ in range(200):
+        q = math.sqrt(lo * hi)
+        if (median + (longest - median) * u ** q).sum() > target:
+            lo = q
+        else:
+            hi = q
+    return median + (longest - median) * u ** math.sqrt(lo * hi)
+
+
+def syllabus_output_lengths(n: int = 64, *, median: int = 18, longest: int = 231, total: int = 1874,
+                            seed: int = 0, sigma: float = 1.0) -> np.ndarray:
+    """Output lengths of ``n`` requests, in queue order: a seeded log-normal draw, adjusted to the targets.
+
+    The draw's order and ranks are kept; the lower half is scaled so its top sits at the
+    median, the upper half is bent (a power curve, chosen by bisection) to run from the
+    median to ``longest`` and make the total come out exactly. The two middle requests are
+    set to ``median``. Raises ``ValueError`` when the targets cannot be met.
+    """
+    if n < 4 or n % 2 or not 1 <= median < longest or total <= median * n // 2 + longest:
+        raise ValueError(f"cannot build {n} lengths with median {median}, longest {longest}, total {total}")
+    raw = np.random.default_rng(seed).lognormal(0.0, sigma, n)
+    order = np.argsort(raw, kind="stable")
+    s = raw[order]
+    half, mid = n // 2, (s[n // 2 - 1] + s[n // 2]) / 2
+    lower = np.maximum(1.0, median * s[:half - 1] / mid)
+    rest = total - lower.round().sum() - 2 * median - longest
+    if not median * (half - 1) < rest < longest * (half - 1):
+        raise ValueError("the lower half leaves a total the upper half cannot reach")
+    upper = _upper_tail((s[half + 1:n - 1] - mid) / (s[-1] - mid), median, longest, rest)
+    lengths = np.concatenate([lower.round(), [median, median], round_preserving_total(upper, round(rest)), [longest]])
+    lengths = np.clip(lengths, 1, longest).astype(int)
+    out = np.empty(n, dtype=int)
+    out[order] = lengths
+    return out
+
+
+def skewed_lengths(base: Sequence[int], skew: float) -> np.ndarray:
+    """Blend ``base`` with equal lengths: skew 0 -> all (nearly) equal, 1 -> ``base``; the total is kept."""
+    base = np.asarray(base)
+    if base.ndim != 1 or len(base) == 0 or np.any(base < 1):
+        raise ValueError("base must be a non-empty list of lengths >= 1")
+    if not 0.0 <= skew <= 1.0:
+        raise ValueError(f"skew must lie in [0, 1], got {skew!r}")
+    total = int(base.sum())
+    mixed = (1 - skew) * total / len(base) + skew * base
+    return np.maximum(1, round_preserving_total(mixed, total))
+
+
+# ---- the simulator ------------------------------------------------------------------------------
+
+POLICIES = ("static", "continuous")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One request in the simulation: its slot, when it was admitted, its last token, when it was heard (s)."""
+
+    request: int
+    slot: int
+    start_s: float
+    end_s: float
+    heard_s: float
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The result of :func:`simulate`; every request arrived at t = 0."""
+
+    policy: str
+    slots: int
+    spans: tuple[Span, ...]
+    tokens: int
+    n_steps: int
+
+    @property
+    def makespan_s(self) -> float:
+        return max(s.heard_s for s in self.spans)
+
+    @property
+    def throughput_tok_s(self) -> float:
+        return self.tokens / self.makespan_s
+
+    @property
+    def latencies_s(self) -> np.ndarray:
+        """Seconds from arrival (t = 0) until each request is heard."""
+        return np.array([s.heard_s for s in sorted(self.spans, key=lambda s: s.request)])
+
+    @property
+    def mean_latency_s(self) -> float:
+        return float(self.latencies_s.mean())
+
+    @property
+    def p95_latency_s(self) -> float:
+        return float(np.percentile(self.latencies_s, 95))
+
+
+def _check_workload(lengths, slots: int) -> list[int]:
+    lengths = [int(x) for x in lengths]
+    if not lengths or min(lengths) < 1:
+        raise ValueError("lengths must be a non-empty list of output lengths >= 1")
+    if not isinstance(slots, (int, np.integer)) or slots < 1:
+        raise ValueError(f"slots must be a positive integer, got {slots!r}")
+    return lengths
+
+
+def _simulate_static(lengths: list[int], slots: int, step_cost: Callable[[int], float], padding: bool) -> Schedule:
+    spans, t, n_steps = [], 0.0, 0
+    for first in range(0, len(lengths), slots):
+        batch = lengths[first:first + slots]
+        start, ends = t, []
+        for step in range(max(batch)):
+            active = len(batch) if padding else sum(1 for n in batch if n > step)
+            t += step_cost(active)
+            ends.append(t)
+        n_steps += max(batch)
+        spans += [Span(first + j, j, start, ends[n - 1], t) for j, n in enumerate(batch)]
+    return Schedule("static", slots, tuple(spans), sum(lengths), n_steps)
+
+
+def _simulate_continuous(lengths: list[int], slots: int, step_cost: Callable[[int], float]) -> Schedule:
+    queue, free, active = list(range(len(lengths))), list(range(slots)), {}
+    left, start, spans, t, n_steps = list(lengths), {}, [], 0.0, 0
+    while queue or active:
+        while queue and free:                                      # a free slot takes the next request at once
+            r = queue.pop(0)
+            active[r] = free.pop(0)
+            start[r] = t
+        t += step_cost(len(active))
+        n_steps += 1
+        for r in list(active):
+            left[r] -= 1
+            if left[r] == 0:
+                spans.append(Span(r, active[r], start[r], t, t))
+                free.append(active.pop(r))
+        free.sort()
+    return Schedule("continuous", slots, tuple(sorted(spans, key=lambda s: s.request)), sum(lengths), n_steps)
+
+
+def simulate(lengths: Sequence[int], slots: int, policy: str, step_cost: Callable[[int], float], *,
+             static_padding: bool = True) -> Schedule:
+    """Replay requests (all queued at t = 0, in order) through ``slots`` slots; one token per request per step.
+
+    ``static``: take the next ``slots`` requests, run until the longest is done; a request is
+    heard when its whole batch finishes. With ``static_padding`` (what ``generate`` does)
+    finished requests keep being computed, so each step costs ``step_cost(batch size)``.
+    ``continuous``: a slot that frees up takes the next request in the following step; a
+    request is heard when its own last token is produced. Each step costs
+    ``step_cost(requests in slots)`` seconds. Prefill is not modelled.
+    """
+    lengths = _check_workload(lengths, slots)
+    if policy == "static":
+        return _simulate_static(lengths, slots, step_cost, static_padding)
+    if policy == "continuous":
+        return _simulate_continuous(lengths, slots, step_cost)
+    raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+
+
+# ---- figures --------------------------------------------------------------------------------------
+
+
+def sweep_figure(points: Sequence[SweepPoint], knee: int | None) -> go.Figure:
+    """Throughput and per-request latency against the batch size, the knee marked."""
+    from plotly.subplots import make_subplots
+    b = [p.batch for p in points]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("throughput", "per-request latency of one step"))
+    fig.add_scatter(x=b, y=[p.tokens_per_s for p in points], name="tokens/s", mode="lines+markers",
+                    line_color=PALETTE[0], row=1, col=1)
+    fig.add_scatter(x=b, y=[p.latency_s * 1e3 for p in points], name="ms per step", mode="lines+markers",
+                    line_color=PALETTE[1], row=1, col=2,
+                    error_y=dict(type="data", array=[p.spread_s * 1e3 for p in points], visible=True))
+    if knee is not None:
+        for col in (1, 2):
+            fig.add_vline(x=knee, line_dash="dash", line_color=PALETTE[5], row=1, col=col)
+    first, last = points[0], points[-1]
+    title = (f"{last.batch / first.batch:.0f}x the requests bring {last.tokens_per_s / first.tokens_per_s:.1f}x "
+             f"the throughput and {last.step_s / first.step_s:.1f}x the latency"
+             + (f"; knee at B = {knee}" if knee else "; no knee in this range"))
+    fig.update_layout(template=TEMPLATE, title=title, height=420, hovermode="closest")
+    fig.update_xaxes(type="log", title="batch size B (requests)", tickvals=b)
+    fig.update_yaxes(title="tokens/s", row=1, col=1)
+    fig.update_yaxes(title="ms per step", row=1, col=2)
+    return fig
+
+
+def gantt_figure(static: Schedule, continuous: Schedule) -> go.Figure:
+    """Slot occupancy over time under both policies; the same traces whatever the inputs (for widgets)."""
+    from plotly.subplots import make_subplots
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=(f"static: done at {static.makespan_s:.1f} s",
+                                        f"continuous: done at {continuous.makespan_s:.1f} s"))
+    for row, sched in ((1, static), (2, continuous)):
+        spans = sched.spans
+        colours = [PALETTE[0] if s.request % 2 else PALETTE[4] for s in spans]
+        fig.add_bar(y=[s.slot for s in spans], x=[s.end_s - s.start_s for s in spans], base=[s.start_s for s in spans],
+                    orientation="h", marker=dict(color=colours, line=dict(color="white", width=0.5)),
+                    name="generating", legendgroup="gen", showlegend=row == 1,
+                    customdata=[[s.request, s.end_s - s.start_s, s.heard_s] for s in spans],
+                    hovertemplate="request %{customdata[0]}<br>generating %{customdata[1]:.2f} s"
+                                  "<br>heard at %{customdata[2]:.2f} s<extra></extra>", row=row, col=1)
+        fig.add_bar(y=[s.slot for s in spans], x=[s.heard_s - s.end_s for s in spans], base=[s.end_s for s in spans],
+                    orientation="h", marker=dict(color=PALETTE[1], opacity=0.55), name="done, waiting for its batch",
+                    legendgroup="wait", showlegend=row == 1, hoverinfo="skip", row=row, col=1)
+    speedup = continuous.throughput_tok_s / static.throughput_tok_s
+    latency = static.mean_latency_s / continuous.mean_latency_s
+    fig.update_layout(template=TEMPLATE, barmode="overlay", height=520, hovermode="closest",
+                      title=f"{static.slots} slots: continuous batching gives {speedup:.2f}x the throughput "
+                            f"and {latency:.1f}x lower mean latency")
+    fig.update_yaxes(title="slot", autorange="reversed")
+    fig.update_xaxes(title="time since all requests arrived (s)", row=2, col=1)
+    return fig
+
+
+def policy_gantt(lengths: Sequence[int], slots: int, skew: float, step_cost: Callable[[int], float]) -> go.Figure:
+    """The widget's pure function: skew the workload, simulate both policies, draw the Gantt chart."""
+    work = skewed_lengths(lengths, skew)
+    return gantt_figure(simulate(work, slots, "static", step_cost), simulate(work, slots, "continuous", step_cost))
+
+
+# ---- memory of the paged layout -------------------------------------------------------------------
+
+
+def paged_kv_bytes(seq_lens: Sequence[int], block_size: int, kv_bytes_per_token: int) -> int:
+    """Bytes of K/V blocks that sequences of these lengths occupy (whole blocks, no sharing)."""
+    if block_size < 1 or kv_bytes_per_token < 1 or any(n < 0 for n in seq_lens):
+        raise ValueError("need block_size >= 1, kv_bytes_per_token >= 1 and lengths >= 0")
+    return sum(math.ceil(n / block_size) for n in seq_lens) * block_size * kv_bytes_per_token
+
+
+def reserved_kv_bytes(n_seqs: int, max_context: int, kv_bytes_per_token: int) -> int:
+    """Bytes a server that reserves ``max_context`` positions per slot sets aside for ``n_seqs`` slots."""
+    if n_seqs < 0 or max_context < 1 or kv_bytes_per_token < 1:
+        raise ValueError("need n_seqs >= 0, max_context >= 1 and kv_bytes_per_token >= 1")
+    return n_seqs * max_context * kv_bytes_per_token
+
+
+def chat_prompt_ids(tok, question: str) -> list[int]:
+    """Token ids of ``question`` as one user turn in the model's chat template, ready for the assistant's answer."""
+    out = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
+    ids = out["input_ids"] if hasattr(out, "keys") else out
+    return [int(t) for t in ids]

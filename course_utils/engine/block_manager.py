@@ -1,0 +1,161 @@
+"""Chapter 04 -- the paged KV cache's allocator: fixed-size blocks, a free list, reference counts.
+
+The pool of key/value memory is cut into ``num_blocks`` blocks of ``block_size`` token
+positions. A sequence owns a *block table*, the list of block ids that hold its
+positions in order, so its cache can be scattered in memory while staying logically
+contiguous (PagedAttention, Kwon et al. 2023).
+
+Prefix sharing: a *full* block is identified by a hash of its tokens chained with the
+hash of the block before it, so equal hashes mean equal prefixes. A new sequence whose
+leading blocks match reuses them (the reference count goes up) instead of recomputing
+them. A block whose count falls to zero goes back to the free list but keeps its hash and
+contents until it is handed out again, so a later request with the same prefix can still
+revive it.
+
+Blocks registered during a prefill step are filled during that very step: the model
+runner writes every new key/value of a layer before any sequence reads that layer.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+
+from .sequence import Sequence
+
+
+def block_hash(prefix_hash: int | None, token_ids: list[int]) -> int:
+    """64-bit content hash of a full block, chained with the hash of the block before it."""
+    h = hashlib.blake2b(digest_size=8)
+    if prefix_hash is not None:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+class Block:
+    """One block of the pool: how many sequences use it, and what it holds (if full)."""
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    """Hands out blocks to sequences: ``can_allocate / allocate / can_append / may_append / deallocate``."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True):
+        for name, v in (("num_blocks", num_blocks), ("block_size", block_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # oldest first
+        self.cached: dict[int, int] = {}   # content hash -> id of a block holding that content
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def _hashes(self, seq: Sequence) -> list[int]:
+        """Chained hashes of the sequence's full blocks."""
+        hashes, h = [], None
+        for i in range(len(seq) // self.block_size):
+            h = block_hash(h, seq.block_tokens(i))
+            hashes.append(h)
+        return hashes
+
+    def _lookup(self, seq: Sequence, hashes: list[int]) -> list[int]:
+        """Ids of the blocks that already hold the sequence's leading full blocks."""
+        hits = []
+        for i, h in enumerate(hashes if self.prefix_caching else []):
+            bid = self.cached.get(h)
+            if bid is None or self.blocks[bid].token_ids != tuple(seq.block_tokens(i)):
+                break
+            hits.append(bid)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Enough free blocks for the sequence, counting shared blocks already in use as free of charge."""
+        hits = self._lookup(seq, self._hashes(seq))
+        in_use = sum(1 for bid in hits if self.blocks[bid].ref_count > 0)
+        return self.num_free_blocks >= seq.num_blocks - in_use
+
+    def _take_free(self) -> Block:
+        bid, _ = self.free.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None and self.cached.get(block.hash) == bid:
+            del self.cached[block.hash]        # its old contents are about to be overwritten
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block
+
+    def _register(self, block: Block, h: int, token_ids: list[int]) -> None:
+        if self.prefix_caching:
+            block.hash, block.token_ids = h, tuple(token_ids)
+            self.cached[h] = block.block_id
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks {seq.block_table}")
+        hashes = self._hashes(seq)
+        hits = self._lookup(seq, hashes)
+        for i in range(seq.num_blocks):
+            if i < len(hits):
+                block = self.blocks[hits[i]]
+                if block.ref_count == 0:
+                    del self.free[block.block_id]     # revive a freed block that still holds the prefix
+                block.ref_count += 1
+            else:
+                block = self._take_free()
+                if i < len(hashes):
+                    self._register(block, hashes[i], seq.block_tokens(i))
+            seq.block_table.append(block.block_id)
+        seq.num_cached_tokens = len(hits) * self.block_size
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Can the next decode step write position ``len(seq) - 1`` (a new block if it starts one)?"""
+        return self.num_free_blocks >= (1 if (len(seq) - 1) % self.block_size == 0 else 0)
+
+    def may_append(self, seq: Sequence) -> None:
+        """Before a decode step: add a block if the token starts one; register a block it fills."""
+        pos = len(seq) - 1
+        if pos % self.block_size == 0:
+            seq.block_table.append(self._take_free().block_id)
+        if (pos + 1) % self.block_size == 0:
+            i = pos // self.block_size
+            prev = self.blocks[seq.block_table[i - 1]].hash if i else None
+            if i == 0 or prev is not None:
+                self._register(self.blocks[seq.block_table[i]], block_hash(prev, seq.block_tokens(i)),
+                               seq.block_tokens(i))
+
+    def deallocate(self, seq: Sequence) -> None:
+        """Drop the sequence's references; blocks nobody uses go back to the free list."""
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {bid} reference count went negative")
+            if block.ref_count == 0:
+                self.free[bid] = None
+        seq.block_table.clear()
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Raise ``RuntimeError`` unless reference counts match the live block tables and the free list."""
+        counts = [0] * len(self.blocks)
+        for seq in live:
+            for bid in seq.block_table:
+                counts[bid] += 1
+        for block, expected in zip(self.blocks, counts):
+            if block.ref_count != expected or block.ref_count < 0:
+                raise RuntimeError(f"block {block.block_id}: ref_count {block.ref_count}, "
+                                   f"but {expected} live block tables name it")
+            if (block.ref_count == 0) != (block.block_id in self.free):
+                raise RuntimeError(f"block {block.block_id}: ref_count {block.ref_count} but "
+                                   f"{'in' if block.block_id in self.free else 'not in'} the free list")
+        for h, bid in self.cached.items():
+            if self.blocks[bid].hash != h:
+                raise RuntimeError(f"hash table points at block {bid}, which holds other content")

@@ -1,0 +1,192 @@
+"""Chapter 04 -- run a llama / qwen2 model's own weights with a hand-written forward over a paged K/V pool.
+
+The pool holds keys and values for every layer as ``(num_blocks * block_size, n_kv_heads,
+head_dim)`` tensors, allocated once. A step runs the new tokens of all scheduled sequences
+as one flat batch through the linear layers; in each layer it first writes their keys
+and values into the slots their block tables name, then gathers each sequence's whole
+context block by block (one indexed read for the batch) and attends to it.
+
+At construction the runner fuses the query/key/value projections into one matrix and
+the gate/up projections into another, so a layer runs four matrix products. It supports
+the llama and qwen2 architectures (qwen2 adds biases to q/k/v and ties its embeddings).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..models import model_dims, resolve_dtype
+from .sequence import Sequence
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
+
+
+@dataclass
+class StepInput:
+    """The tensors one step needs, built once and shared by every layer.
+
+    T new tokens of S sequences; Q = longest query run, C = longest context (positions).
+    """
+
+    input_ids: torch.Tensor      # (T,) token ids of the new tokens, sequence after sequence
+    positions: torch.Tensor      # (T,) their positions
+    write_rows: torch.Tensor | None  # (W,) rows of the new tokens whose keys/values are stored; None = all
+    write_slots: torch.Tensor    # (W,) pool slots they are stored in
+    block_tables: torch.Tensor   # (S, C / block_size) block ids, padded with 0
+    mask: torch.Tensor           # (S, 1, Q, C) True where a query may attend to a key position
+    pad_index: torch.Tensor | None  # (T,) row of each token in the padded (S * Q) layout; None when Q = 1
+    last_rows: torch.Tensor      # (S,) row of each sequence's last new token
+
+
+def _check_supported(model) -> None:
+    cfg = model.config
+    if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"the engine runs {SUPPORTED_MODEL_TYPES} models; this one is {cfg.model_type!r}")
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or []):
+        raise ValueError("sliding-window attention layers are not supported by the course engine")
+    rope_type = getattr(model.model.rotary_emb, "rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        raise ValueError(f"rope type {rope_type!r} changes with the sequence length; not supported")
+
+
+def _cat_bias(linears, dtype) -> torch.Tensor | None:
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                      for m in linears]).to(dtype)
+
+
+class ModelRunner:
+    """Greedy next tokens for a batch of sequences, reading K/V through their block tables."""
+
+    def __init__(self, model, *, num_blocks: int, block_size: int, dtype=None):
+        _check_supported(model)
+        self.dims = dims = model_dims(model.config)
+        self.dtype = resolve_dtype(dtype) if dtype is not None else model.dtype
+        self.device = model.device
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.eps = model.config.rms_norm_eps
+        self.act = model.model.layers[0].mlp.act_fn
+        self.layers = [self._fuse(layer) for layer in model.model.layers]
+        self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)
+        self.final_norm = model.model.norm.weight.detach().to(self.dtype)
+        self.lm_head = model.lm_head.weight.detach().to(self.dtype)
+        pool_shape = (dims.n_layers, num_blocks * block_size, dims.n_kv_heads, dims.head_dim)
+        self.k_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
+        self.v_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
+        self.k_slots, self.v_slots = list(self.k_pool.unbind(0)), list(self.v_pool.unbind(0))   # per layer, by slot
+        self.k_blocks = [p.view(num_blocks, -1) for p in self.k_slots]                         # per layer, by block
+        self.v_blocks = [p.view(num_blocks, -1) for p in self.v_slots]
+        self.max_positions = min(num_blocks * block_size, model.config.max_position_embeddings)
+        rot = model.model.rotary_emb
+        freqs = torch.arange(self.max_positions, device=self.device).float()[:, None] * rot.inv_freq.float()[None]
+        emb = torch.cat((freqs, freqs), dim=-1)                  # (positions, head_dim), as transformers does
+        self.cos = (emb.cos() * rot.attention_scaling).to(self.dtype)
+        self.sin = (emb.sin() * rot.attention_scaling).to(self.dtype)
+
+    def _fuse(self, layer) -> dict:
+        att, mlp, dt = layer.self_attn, layer.mlp, self.dtype
+        return dict(
+            in_norm=layer.input_layernorm.weight.detach().to(dt),
+            w_qkv=torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach().to(dt),
+            b_qkv=_cat_bias([att.q_proj, att.k_proj, att.v_proj], dt),
+            w_o=att.o_proj.weight.detach().to(dt), b_o=_cat_bias([att.o_proj], dt),
+            post_norm=layer.post_attention_layernorm.weight.detach().to(dt),
+            w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().to(dt),
+            b_gate_up=_cat_bias([mlp.gate_proj, mlp.up_proj], dt),
+            w_down=mlp.down_proj.weight.detach().to(dt), b_down=_cat_bias([mlp.down_proj], dt),
+        )
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token position takes in the pool, all layers."""
+        d = self.dims
+        return 2 * d.n_layers * d.n_kv_heads * d.head_dim * self.k_pool.element_size()
+
+    def prepare(self, seqs: list[Sequence], is_prefill: bool) -> StepInput:
+        """Flatten the sequences' new tokens and build the slot, block-table and mask tensors."""
+        bs = self.block_size
+        ids, pos, rows, slots, q_lens = [], [], [], [], []
+        for seq in seqs:
+            n = len(seq)
+            start = min(seq.num_cached_tokens, n - 1) if is_prefill else n - 1  # a fully cached prompt reruns its last token
+            for p in range(start, n):
+                if not is_prefill or p >= seq.num_cached_tokens:   # cached positions are not written again
+                    rows.append(len(ids))
+                    slots.append(seq.block_table[p // bs] * bs + p % bs)
+                ids.append(seq.token_ids[p])
+                pos.append(p)
+            q_lens.append(n - start)
+        S, Q = len(seqs), max(q_lens)
+        max_blocks = max(len(s.block_table) for s in seqs)
+        tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
+        qpos = torch.zeros(S, Q, dtype=torch.long)
+        pad_index, r = [], 0
+        for i, q in enumerate(q_lens):
+            qpos[i, :q] = torch.tensor(pos[r:r + q])
+            pad_index += range(i * Q, i * Q + q)
+            r += q
+        mask = torch.arange(max_blocks * bs)[None, None, :] <= qpos[:, :, None]   # causal, and inside the context
+        dev, lt = self.device, torch.long
+        return StepInput(
+            input_ids=torch.tensor(ids, dtype=lt, device=dev), positions=torch.tensor(pos, dtype=lt, device=dev),
+            write_rows=None if len(rows) == len(ids) else torch.tensor(rows, dtype=lt, device=dev), write_slots=torch.tensor(slots, dtype=lt, device=dev),
+            block_tables=torch.tensor(tables, dtype=lt, device=dev), mask=mask[:, None].to(dev),
+            pad_index=None if Q == 1 else torch.tensor(pad_index, dtype=lt, device=dev),
+            last_rows=torch.tensor(q_lens, device=dev).cumsum(0) - 1)
+
+    def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, w.shape, w, self.eps)
+        return w * F.rms_norm(x.float(), w.shape, None, self.eps).to(x.dtype)   # transformers' order in half precision
+
+    def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: StepInput) -> torch.Tensor:
+        """Store this layer's new keys/values, then attend over each sequence's paged context. Returns (T, n_heads * head_dim)."""
+        d = self.dims
+        if inp.write_rows is not None:                           # skip tokens whose keys/values are cached already
+            k, v = k.index_select(0, inp.write_rows), v.index_select(0, inp.write_rows)
+        self.k_slots[i].index_copy_(0, inp.write_slots, k)
+        self.v_slots[i].index_copy_(0, inp.write_slots, v)
+        S, Q, C = inp.mask.shape[0], inp.mask.shape[2], inp.mask.shape[3]
+        g = d.n_heads // d.n_kv_heads                            # query heads per key/value head
+        tables = inp.block_tables.view(-1)                        # gather whole blocks: (S * blocks, block_size * n_kv * head_dim)
+        keys = self.k_blocks[i].index_select(0, tables).view(S, C, d.n_kv_heads, d.head_dim).transpose(1, 2)
+        values = self.v_blocks[i].index_select(0, tables).view(S, C, d.n_kv_heads, d.head_dim).transpose(1, 2)
+        if inp.pad_index is None:                                 # decode: one query per sequence
+            q = q.reshape(S, d.n_kv_heads, g, d.head_dim)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=inp.mask).view(S, -1)
+        q = q.new_zeros(S * Q, d.n_heads, d.head_dim).index_copy_(0, inp.pad_index, q)   # pad each run to Q rows
+        q = q.view(S, Q, d.n_kv_heads, g, d.head_dim).permute(0, 2, 1, 3, 4).reshape(S, d.n_kv_heads, Q * g, d.head_dim)
+        mask = inp.mask.repeat_interleave(g, dim=2) if g > 1 else inp.mask
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (S, n_kv, Q * g, head_dim)
+        out = out.view(S, d.n_kv_heads, Q, g, d.head_dim).permute(0, 2, 1, 3, 4).reshape(S * Q, -1)
+        return out.index_select(0, inp.pad_index)
+
+    def _layer(self, i: int, h: torch.Tensor, inp: StepInput, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        w, d = self.layers[i], self.dims
+        qkv = F.linear(self._rms_norm(h, w["in_norm"]), w["w_qkv"], w["b_qkv"])
+        n_qk = (d.n_heads + d.n_kv_heads) * d.head_dim
+        qk = qkv[:, :n_qk].view(-1, d.n_heads + d.n_kv_heads, d.head_dim)
+        x1, x2 = qk.chunk(2, dim=-1)
+        qk = qk * cos + torch.cat((-x2, x1), dim=-1) * sin         # rotary position embedding, q and k at once
+        v = qkv[:, n_qk:].view(-1, d.n_kv_heads, d.head_dim)
+        attn = self._attention(i, qk[:, :d.n_heads], qk[:, d.n_heads:], v, inp)
+        h = h + F.linear(attn, w["w_o"], w["b_o"])
+        gate, up = F.linear(self._rms_norm(h, w["post_norm"]), w["w_gate_up"], w["b_gate_up"]).chunk(2, dim=-1)
+        return h + F.linear(self.act(gate) * up, w["w_down"], w["b_down"])
+
+    @torch.no_grad()
+    def forward(self, inp: StepInput) -> torch.Tensor:
+        """Logits of each sequence's last new token, (S, vocab)."""
+        h = F.embedding(inp.input_ids, self.embed)
+        cos, sin = self.cos[inp.positions][:, None], self.sin[inp.positions][:, None]
+        for i in range(len(self.layers)):
+            h = self._layer(i, h, inp, cos, sin)
+        h = self._rms_norm(h.index_select(0, inp.last_rows), self.final_norm)
+        return F.linear(h, self.lm_head)
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """One step: the greedy next token of every sequence."""
+        return self.forward(self.prepare(seqs, is_prefill)).argmax(dim=-1).tolist()

@@ -1,0 +1,110 @@
+"""Chapter 04 -- the scheduler: who runs this step, and what happens when memory runs out.
+
+Each step is either a *prefill* step (new sequences run their prompts) or a *decode*
+step (every running sequence produces one token), as in nano-vllm: ``schedule()``
+returns ``(seqs, is_prefill)``.
+
+* ``policy="continuous"``: a queued request is admitted the step a slot and its blocks
+  are free (Orca, Yu et al. 2022).
+* ``policy="static"``: a new batch is admitted only when the whole previous batch has
+  finished; finished sequences release their blocks at once but their slots stay empty.
+
+When a decode step needs a block and none is free, the newest running sequence is
+*preempted*: its blocks are released and it goes back to the front of the queue, to be
+re-prefilled later from its prompt and the tokens it has produced (recompute).
+"""
+from __future__ import annotations
+
+import heapq
+from collections import deque
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+POLICIES = ("continuous", "static")
+
+
+class Scheduler:
+    """Admission, decode batching and preemption over a :class:`BlockManager`."""
+
+    def __init__(self, block_manager: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: str = "continuous"):
+        if policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(max_num_seqs))   # a heap: the lowest free slot first
+        self.num_batches = 0
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """The sequences to run this step and whether it is a prefill step."""
+        admitted = self._admit()
+        if admitted:
+            return admitted, True
+        return self._decode_batch(), False
+
+    def _admit(self) -> list[Sequence]:
+        if self.policy == "static" and self.running:
+            return []
+        admitted, tokens = [], 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            over_budget = admitted and tokens + len(seq) > self.max_num_batched_tokens  # one sequence always fits
+            if over_budget or not self.block_manager.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            tokens += len(seq) - seq.num_cached_tokens
+            seq.status, seq.slot, seq.batch_id = Status.RUNNING, heapq.heappop(self.free_slots), self.num_batches
+            self.running.append(seq)
+            admitted.append(seq)
+        self.num_batches += bool(admitted)
+        return admitted
+
+    def _decode_batch(self) -> list[Sequence]:
+        batch, i = [], 0
+        while i < len(self.running):
+            seq = self.running[i]
+            while not self.block_manager.can_append(seq) and self.running[-1] is not seq:
+                self.preempt(self.running[-1])            # the newest sequence gives its blocks back
+            if self.block_manager.can_append(seq):
+                self.block_manager.may_append(seq)
+                batch.append(seq)
+                i += 1
+            else:
+                self.preempt(seq)
+        return batch
+
+    def _release(self, seq: Sequence) -> None:
+        """Return the sequence's blocks and slot (under the static policy the slot stays unused
+        until the whole batch is done, because nothing is admitted before then)."""
+        self.running.remove(seq)
+        self.block_manager.deallocate(seq)
+        heapq.heappush(self.free_slots, seq.slot)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take a running sequence's blocks back and queue it first (it will recompute its cache)."""
+        self._release(seq)
+        seq.status, seq.slot = Status.WAITING, None
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Mark a sequence done and release its blocks and its slot."""
+        self._release(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason

@@ -1,0 +1,96 @@
+"""Chapter 04 -- one request as the engine sees it: its tokens, its block table, its state.
+
+A :class:`Sequence` holds the prompt and the tokens generated so far in one list,
+``token_ids``. The engine never keeps a per-request tensor: the keys and values of a
+sequence live in the shared paged pool, and ``block_table[i]`` names the physical block
+that holds positions ``i * block_size ... (i + 1) * block_size - 1``.
+"""
+from __future__ import annotations
+
+import enum
+import math
+
+
+class Status(enum.Enum):
+    """Where a sequence is: queued, holding a slot and blocks, or done."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request: prompt + generated tokens, its block table and its timeline (seconds).
+
+    ``num_cached_tokens`` counts the leading prompt tokens whose keys and values were
+    found in shared blocks when the sequence was last given blocks (prefix caching).
+    ``spans`` lists ``(slot, start_s, end_s)`` for each stay in a slot (a preempted
+    sequence has more than one).
+    """
+
+    def __init__(self, seq_id: int, prompt_ids: list[int], max_tokens: int, *, block_size: int,
+                 eos_token_ids: frozenset[int] = frozenset(), arrival_s: float = 0.0):
+        self.seq_id = seq_id
+        self.token_ids = list(prompt_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.max_tokens = max_tokens
+        self.block_size = block_size
+        self.eos_token_ids = eos_token_ids
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.slot: int | None = None
+        self.batch_id: int | None = None
+        self.num_preemptions = 0
+        self.arrival_s = arrival_s
+        self.first_token_s: float | None = None
+        self.finish_s: float | None = None
+        self.spans: list[tuple[int, float, float]] = []
+        self.finish_reason: str | None = None   # "eos", "length" or "error"
+        self.error: str | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, {self.status.value}, {self.num_prompt_tokens} prompt + "
+                f"{self.num_output_tokens} new tokens, blocks={self.block_table})")
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold the keys and values of all ``len(self)`` tokens."""
+        return math.ceil(len(self) / self.block_size)
+
+    def block_tokens(self, i: int) -> list[int]:
+        """The token ids that block ``i`` of this sequence holds (the last one may be partial)."""
+        return self.token_ids[i * self.block_size:(i + 1) * self.block_size]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def append(self, token_id: int) -> str | None:
+        """Add a generated token; return why the sequence stops now (``"eos"``/``"length"``) or None."""
+        self.token_ids.append(token_id)
+        if token_id in self.eos_token_ids:
+            return "eos"
+        if self.num_output_tokens >= self.max_tokens:
+            return "length"
+        return None
+
+    @property
+    def latency_s(self) -> float | None:
+        """Seconds from arrival to the last token (None until finished)."""
+        return None if self.finish_s is None else self.finish_s - self.arrival_s

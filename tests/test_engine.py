@@ -1,0 +1,293 @@
+"""The chapter 04 engine: allocator, scheduler, exactness against generate, nothing lost, bad input."""
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+
+from course_utils.batching import chat_prompt_ids
+from course_utils.engine import (Agreement, BlockManager, LLMEngine, Scheduler, Sequence, Status,
+                                 check_against_generate, compare_tokens)
+
+
+def _seq(i, tokens, block_size=4, max_tokens=10):
+    return Sequence(i, tokens, max_tokens, block_size=block_size)
+
+
+# ---- block manager -------------------------------------------------------------------------------
+
+def test_allocate_shares_full_prefix_blocks_and_counts_references():
+    bm = BlockManager(16, 4)
+    a, b = _seq(0, list(range(10))), _seq(1, list(range(8)) + [99, 98, 97])
+    bm.allocate(a)
+    bm.allocate(b)
+    assert a.block_table[:2] == b.block_table[:2]            # two full blocks of equal prefix are shared
+    assert a.block_table[2] != b.block_table[2]              # partial / different blocks are private
+    assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
+    assert [bm.blocks[i].ref_count for i in a.block_table] == [2, 2, 1]
+    assert bm.num_free_blocks == 16 - 4
+    bm.check_invariants([a, b])
+    bm.deallocate(a)
+    assert [bm.blocks[i].ref_count for i in b.block_table] == [1, 1, 1]
+    bm.deallocate(b)
+    assert bm.num_free_blocks == 16
+    bm.check_invariants([])
+
+
+def test_freed_blocks_keep_their_content_until_reused():
+    bm = BlockManager(4, 4)
+    a = _seq(0, list(range(8)))
+    bm.allocate(a)
+    table = list(a.block_table)
+    bm.deallocate(a)
+    again = _seq(1, list(range(8)))
+    assert bm.can_allocate(again)
+    bm.allocate(again)
+    assert again.block_table == table and again.num_cached_tokens == 8   # revived, fully cached
+    bm.deallocate(again)
+    other = _seq(2, list(range(100, 116)))                                # needs all 4 blocks: evicts the cache
+    bm.allocate(other)
+    assert not bm.cached or all(bm.blocks[b].token_ids != tuple(range(4)) for b in bm.cached.values())
+    bm.check_invariants([other])
+
+
+def test_can_allocate_counts_shared_blocks_in_use_as_free_of_charge():
+    bm = BlockManager(3, 4)
+    a = _seq(0, list(range(8)))
+    bm.allocate(a)                                 # 2 blocks used, 1 free
+    b = _seq(1, list(range(8)) + [5, 6])           # needs 3 blocks, 2 of them shared
+    assert bm.can_allocate(b)
+    c = _seq(2, list(range(50, 62)))               # needs 3 fresh blocks
+    assert not bm.can_allocate(c)
+
+
+def test_may_append_adds_a_block_at_the_boundary_and_registers_full_blocks():
+    bm = BlockManager(8, 4)
+    s = _seq(0, [1, 2, 3])
+    bm.allocate(s)
+    s.append(4)                                    # length 4: position 3 still fits block 0
+    assert bm.can_append(s)
+    bm.may_append(s)
+    assert len(s.block_table) == 1 and bm.blocks[s.block_table[0]].hash is not None   # block 0 now full
+    s.append(5)                                    # position 4 starts block 1
+    bm.may_append(s)
+    assert len(s.block_table) == 2
+    twin = _seq(1, [1, 2, 3, 4, 9])
+    bm.allocate(twin)
+    assert twin.block_table[0] == s.block_table[0]  # the block filled while decoding is shared too
+
+
+def test_reference_counts_never_go_negative():
+    bm = BlockManager(4, 4)
+    s = _seq(0, [1, 2, 3])
+    bm.allocate(s)
+    table = list(s.block_table)
+    bm.deallocate(s)
+    s.block_table = table                          # a double free
+    with pytest.raises(RuntimeError, match="negative"):
+        bm.deallocate(s)
+
+
+def test_block_manager_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="num_blocks"):
+        BlockManager(0, 4)
+    with pytest.raises(ValueError, match="block_size"):
+        BlockManager(4, 0)
+
+
+# ---- scheduler -----------------------------------------------------------------------------------
+
+def _finish_all_running(sched):
+    for s in list(sched.running):
+        sched.finish(s, "length")
+
+
+def test_continuous_admits_as_soon_as_a_slot_frees():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=1000, policy="continuous")
+    seqs = [_seq(i, [i + 1] * 3) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    batch, prefill = sched.schedule()
+    assert prefill and batch == seqs[:2]
+    sched.finish(seqs[0], "eos")
+    batch, prefill = sched.schedule()
+    assert prefill and batch == [seqs[2]] and seqs[2].slot == 0
+
+
+def test_static_waits_for_the_whole_batch():
+    bm = BlockManager(64, 4)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=1000, policy="static")
+    seqs = [_seq(i, [i + 1] * 3) for i in range(3)]
+    for s in seqs:
+        sched.add(s)
+    sched.schedule()
+    sched.finish(seqs[0], "eos")
+    batch, prefill = sched.schedule()
+    assert not prefill and batch == [seqs[1]]       # seqs[2] waits although a slot is free
+    sched.finish(seqs[1], "eos")
+    batch, prefill = sched.schedule()
+    assert prefill and batch == [seqs[2]] and seqs[2].batch_id == 1
+
+
+def test_preempts_the_newest_sequence_when_blocks_run_out():
+    bm = BlockManager(2, 2)
+    sched = Scheduler(bm, max_num_seqs=2, max_num_batched_tokens=1000)
+    a, b = _seq(0, [1, 2], block_size=2), _seq(1, [3, 4], block_size=2)
+    sched.add(a)
+    sched.add(b)
+    assert sched.schedule() == ([a, b], True)
+    a.append(7)
+    b.append(8)                                     # both need a third... block: only 2 exist
+    batch, prefill = sched.schedule()
+    assert not prefill and batch == [a] and list(sched.waiting) == [b]
+    assert b.status is Status.WAITING and b.num_preemptions == 1 and not b.block_table
+    bm.check_invariants(sched.running)
+
+
+def test_scheduler_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="policy"):
+        Scheduler(BlockManager(4, 4), max_num_seqs=1, max_num_batched_tokens=8, policy="fifo")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Scheduler(BlockManager(4, 4), max_num_seqs=0, max_num_batched_tokens=8)
+
+
+# ---- exactness -------------------------------------------------------------------------------------
+
+def test_compare_tokens_allows_a_difference_only_at_a_near_tie():
+    assert compare_tokens([1, 2, 3], [1, 2, 3], [5.0, 5.0, 5.0]).exact
+    tie = compare_tokens([1, 2, 4], [1, 2, 3], [5.0, 5.0, 3e-5])
+    assert not tie.exact and tie.near_tie and tie.ok and tie.first_diff == 2
+    bad = compare_tokens([1, 9, 3], [1, 2, 3], [5.0, 0.5, 5.0])
+    assert not bad.ok and bad.first_diff == 1 and "MISMATCH" in str(bad)
+    assert not compare_tokens([1, 2], [1, 2, 3], [5.0, 5.0, 5.0]).ok   # stopped early
+
+
+def _report(agreements: list[Agreement], label: str) -> None:
+    ties = [f"request {i}: {a}" for i, a in enumerate(agreements) if a.near_tie]
+    if ties:
+        warnings.warn(f"{label}: near-ties (allowed): " + "; ".join(ties))
+    bad = [f"request {i}: {a}" for i, a in enumerate(agreements) if not a.ok]
+    assert not bad, f"{label}: " + "; ".join(bad)
+
+
+def _random_prompts(vocab, n, seed, max_len=40):
+    g = random.Random(seed)
+    prompts = [[g.randrange(vocab) for _ in range(g.randint(1, max_len) if i else 20)] for i in range(n)]
+    prompts.append(prompts[0][:8] + [3, 4, 5])           # shares two 4-token blocks with prompt 0
+    prompts.append(list(prompts[0]))                      # the same prompt twice: all its 5 blocks cached
+    return prompts
+
+
+def test_tiny_models_match_generate(tiny_model):
+    prompts = _random_prompts(tiny_model.config.vocab_size, 12, seed=1)
+    engine = LLMEngine(tiny_model, num_blocks=128, block_size=4, max_num_seqs=4)
+    outs = engine.generate(prompts, 12)
+    agreements = check_against_generate(tiny_model, prompts, [o.output_ids for o in outs], 12,
+                                        eos_token_ids=engine.eos_token_ids)
+    _report(agreements, tiny_model.config.model_type)
+    assert outs[-2].num_cached_tokens == 8 and outs[-1].num_cached_tokens == 20   # prefix sharing happened
+
+
+@pytest.fixture(scope="module")
+def embedded_run(embedded):
+    """24 prompts through the embedded model with a cache small enough to force preemption."""
+    model, tok = embedded
+    questions = ["What is the capital of France?", "Name a primary colour.", "What is 7 times 8?",
+                 "Who wrote Pride and Prejudice?", "Give me a synonym for happy.", "What do bees make?",
+                 "How many legs does a spider have?", "What is the boiling point of water?",
+                 "Translate 'cat' into French.", "What is the largest planet?"]
+    chat = [chat_prompt_ids(tok, q) for q in questions]
+    words = tok("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+                "must be in want of a wife. However little known the feelings or views of such a man may be "
+                "on his first entering a neighbourhood, this truth is so well fixed").input_ids
+    plain = [words[:n] for n in (1, 2, 3, 5, 8, 13, 16, 21, 29, 34, 40, 45)]
+    prompts = chat + plain                                # 22 prompts, 1 to ~45 tokens; the chat ones share a prefix
+    engine = LLMEngine(model, num_blocks=20, block_size=8, max_num_seqs=8)
+    first = engine.generate(prompts, 6)
+    cached_prompt = words[:32]                            # 4 full blocks, computed in the first run ...
+    engine.generate([cached_prompt], 1)
+    second = engine.generate([cached_prompt, chat[0]], 6)  # ... so now all its blocks are cached
+    return model, engine, prompts + [cached_prompt, chat[0]], first + second
+
+
+def test_embedded_model_matches_generate_for_every_request(embedded_run):
+    model, engine, prompts, outs = embedded_run
+    assert len(prompts) >= 20 and all(o.error is None for o in outs)
+    agreements = check_against_generate(model, prompts, [o.output_ids for o in outs], 6,
+                                        eos_token_ids=engine.eos_token_ids)
+    _report(agreements, "embedded")
+
+
+def test_embedded_run_shared_prefixes_cached_prompts_and_preempted(embedded_run):
+    model, engine, prompts, outs = embedded_run
+    assert engine.scheduler.num_preemptions > 0, "the small cache should have forced preemption"
+    assert any(o.num_preemptions for o in outs)
+    assert all(o.num_cached_tokens >= 16 for o in outs[1:10])     # the chat template's prefix blocks were shared
+    fully_cached, chat0 = outs[-2], outs[-1]
+    assert fully_cached.num_prompt_tokens == 32 and fully_cached.num_cached_tokens == 32
+    last_prefill = [s for s in engine.steps if s.is_prefill][-1]
+    # every block of the 32-token prompt was cached: its prefill recomputed only its last token
+    assert last_prefill.num_tokens == 1 + chat0.num_prompt_tokens - chat0.num_cached_tokens
+
+
+# ---- nothing lost ---------------------------------------------------------------------------------
+
+def test_random_workload_completes_every_request_and_frees_every_block(tiny_llama):
+    rng = random.Random(7)
+    engine = LLMEngine(tiny_llama, num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=64)
+    prefixes = [[rng.randrange(128) for _ in range(8)] for _ in range(3)]
+    arrivals = sorted(rng.randrange(400) for _ in range(220))
+    expected, step, i = {}, 0, 0
+    while i < len(arrivals) or engine.has_unfinished():
+        while i < len(arrivals) and arrivals[i] <= step:
+            body = [rng.randrange(128) for _ in range(rng.randint(1, 24))]
+            prompt = (rng.choice(prefixes) + body) if rng.random() < 0.4 else body
+            n = rng.randint(1, 30)
+            expected[engine.add_request(prompt, n, ignore_eos=True)] = n
+            i += 1
+        engine.step()
+        running = engine.scheduler.running
+        engine.block_manager.check_invariants(running)   # reference counts match block tables, never negative
+        step += 1
+    seqs = engine.sequences
+    assert len(seqs) == 220 and all(s.is_finished for s in seqs.values())
+    assert all(s.num_output_tokens == expected[k] for k, s in seqs.items())
+    assert engine.block_manager.num_free_blocks == 24
+    assert all(b.ref_count == 0 for b in engine.block_manager.blocks)
+    assert engine.scheduler.num_preemptions > 0
+    assert any(s.num_cached_tokens for s in seqs.values())
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+
+def test_bad_requests_are_refused_and_the_others_still_served(tiny_llama):
+    engine = LLMEngine(tiny_llama, num_blocks=8, block_size=4, max_num_seqs=4)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], 4)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request([1, 2], 0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request([1, 2], -3)
+    with pytest.raises(ValueError, match="whole cache"):
+        engine.add_request(list(range(40)), 1)
+    with pytest.raises(ValueError, match=r"\[0, 128\)"):
+        engine.add_request([1, 500], 2)
+    with pytest.raises(TypeError, match="list of token ids"):
+        engine.add_request("hello", 2)
+    good = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    outs = engine.generate([good[0], [], good[1], list(range(40)), [1, 2]], [5, 5, 5, 5, 0])
+    assert [o.finish_reason for o in outs] == ["length", "error", "length", "error", "error"]
+    assert "empty" in outs[1].error and "whole cache" in outs[3].error and "max_tokens" in outs[4].error
+    clean = LLMEngine(tiny_llama, num_blocks=8, block_size=4, max_num_seqs=4).generate(good, 5)
+    assert [outs[0].output_ids, outs[2].output_ids] == [c.output_ids for c in clean]
+    assert engine.block_manager.num_free_blocks == 8
+
+
+def test_unsupported_architectures_are_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=32))
+    with pytest.raises(ValueError, match="llama"):
+        LLMEngine(gpt2, num_blocks=4, block_size=4)
