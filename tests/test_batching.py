@@ -1,0 +1,147 @@
+"""Chapter 04 simulator and helpers: knee, step cost, workload, static vs continuous, figures."""
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+
+from course_utils.batching import (StepCost, SweepPoint, decode_step_sweep, find_knee, paged_kv_bytes,
+                                   policy_gantt, reserved_kv_bytes, round_preserving_total, simulate,
+                                   skewed_lengths, sweep_figure, syllabus_output_lengths)
+
+REF_TOK_S = [7.0, 13.0, 25.0, 41.0, 42.0 * 1.0, 45.78, 50.0]   # flattens after 8
+
+
+def test_find_knee_is_where_doubling_stops_paying():
+    b = [1, 2, 4, 8, 16, 32, 64]
+    assert find_knee(b, REF_TOK_S) == 8
+    ref_like = [1.0, 1.95, 3.6, 4.7, 6.0, 6.54, 6.8]              # 1 -> 16: x6.0; 16 -> 32: +9 %
+    assert find_knee(b, ref_like) == 16
+    assert find_knee(b, [2.0 ** i for i in range(7)]) is None     # every doubling doubles throughput
+    assert find_knee([1, 4], [1.0, 1.4]) == 1                       # 1.4x over two doublings = 18 % each
+
+
+def test_find_knee_rejects_bad_input():
+    with pytest.raises(ValueError, match="increasing"):
+        find_knee([4, 2], [1.0, 2.0])
+    with pytest.raises(ValueError, match="one throughput"):
+        find_knee([1, 2, 4], [1.0, 2.0])
+    with pytest.raises(ValueError, match="positive"):
+        find_knee([1, 2], [1.0, 0.0])
+
+
+def test_step_cost_interpolates_measured_points_and_never_decreases():
+    cost = StepCost((1, 2, 4, 8), (0.10, 0.12, 0.11, 0.20))
+    assert cost(1) == pytest.approx(0.10)
+    assert cost(2) == pytest.approx(0.12)
+    assert cost(4) == pytest.approx(0.12)                          # the dip at 4 is treated as noise
+    assert cost(6) == pytest.approx(0.16)
+    assert cost(16) == pytest.approx(0.20 + 8 * (0.20 - 0.12) / 4)  # the last slope continues
+    with pytest.raises(ValueError, match="batch"):
+        cost(0)
+    with pytest.raises(ValueError, match="positive"):
+        StepCost((1, 2), (0.1, 0.0))
+    pts = [SweepPoint(1, 0.1, 0.0), SweepPoint(4, 0.2, 0.01)]
+    assert StepCost.from_sweep(pts)(4) == pytest.approx(0.2)
+
+
+def test_syllabus_workload_has_the_stated_statistics():
+    lengths = syllabus_output_lengths()
+    assert len(lengths) == 64 and np.median(lengths) == 18 and lengths.max() == 231 and lengths.sum() == 1874
+    assert lengths.min() >= 1 and (lengths == 231).sum() == 1
+    assert np.array_equal(lengths, syllabus_output_lengths())       # fixed seed: the same every time
+    other = syllabus_output_lengths(seed=3)
+    assert not np.array_equal(lengths, other) and other.sum() == 1874 and np.median(other) == 18
+    with pytest.raises(ValueError, match="cannot build"):
+        syllabus_output_lengths(total=100)
+
+
+def test_round_preserving_total():
+    out = round_preserving_total([0.4, 0.4, 0.2, 2.0], 3)
+    assert out.sum() == 3 and list(out) == [1, 0, 0, 2]
+    with pytest.raises(ValueError, match="summing"):
+        round_preserving_total([0.5, 0.6], 3)
+
+
+def test_skew_blends_towards_equal_lengths_and_keeps_the_total():
+    base = syllabus_output_lengths()
+    assert np.array_equal(skewed_lengths(base, 1.0), base)
+    flat = skewed_lengths(base, 0.0)
+    assert flat.max() - flat.min() <= 1 and flat.sum() == base.sum()
+    for skew in (0.1, 0.35, 0.8):
+        mixed = skewed_lengths(base, skew)
+        assert mixed.sum() == base.sum() and flat.max() <= mixed.max() <= base.max()
+    with pytest.raises(ValueError, match="skew"):
+        skewed_lengths(base, 1.5)
+    with pytest.raises(ValueError, match="base"):
+        skewed_lengths([], 0.5)
+
+
+def test_simulate_by_hand():
+    one = lambda b: 1.0  # noqa: E731  a step costs one second whatever the batch
+    static = simulate([1, 3, 2, 2], 2, "static", one)
+    assert [s.heard_s for s in static.spans] == [3, 3, 5, 5]
+    assert [s.end_s for s in static.spans] == [1, 3, 5, 5]
+    cont = simulate([1, 3, 2, 2], 2, "continuous", one)
+    assert [(s.slot, s.start_s, s.heard_s) for s in cont.spans] == [(0, 0, 1), (1, 0, 3), (0, 1, 3), (0, 3, 5)]
+    assert static.mean_latency_s == 4 and cont.mean_latency_s == 3
+    assert static.throughput_tok_s == cont.throughput_tok_s == pytest.approx(8 / 5)
+
+
+def test_static_padding_costs_more_when_steps_grow_with_the_batch():
+    lengths, cost = [1, 10, 1, 10], (lambda b: 1.0 + b)
+    padded = simulate(lengths, 2, "static", cost)
+    unpadded = simulate(lengths, 2, "static", cost, static_padding=False)
+    assert padded.makespan_s == 2 * 10 * 3 and unpadded.makespan_s == 2 * (3 + 9 * 2)
+
+
+def test_simulations_serve_every_request_once_without_overlaps():
+    lengths = syllabus_output_lengths()
+    cost = StepCost((1, 8, 64), (0.1, 0.15, 0.5))
+    for policy in ("static", "continuous"):
+        sched = simulate(lengths, 8, policy, cost)
+        assert sorted(s.request for s in sched.spans) == list(range(64)) and sched.tokens == 1874
+        assert all(0 <= s.slot < 8 and s.start_s < s.end_s <= s.heard_s for s in sched.spans)
+        for slot in range(8):
+            spans = sorted((s.start_s, s.end_s) for s in sched.spans if s.slot == slot)
+            assert all(a[1] <= b[0] + 1e-12 for a, b in zip(spans, spans[1:]))
+    static, cont = (simulate(lengths, 8, p, cost) for p in ("static", "continuous"))
+    assert cont.throughput_tok_s > static.throughput_tok_s and cont.mean_latency_s < static.mean_latency_s
+    assert cont.p95_latency_s < static.p95_latency_s
+    with pytest.raises(ValueError, match="policy"):
+        simulate(lengths, 8, "fifo", cost)
+    with pytest.raises(ValueError, match="slots"):
+        simulate(lengths, 0, "static", cost)
+
+
+def test_the_widget_function_redraws_with_new_data_and_the_same_traces():
+    lengths, cost = syllabus_output_lengths(), StepCost((1, 8, 64), (0.1, 0.15, 0.5))
+    eight, four = policy_gantt(lengths, 8, 1.0, cost), policy_gantt(lengths, 4, 1.0, cost)
+    assert isinstance(eight, go.Figure) and len(eight.data) == len(four.data) == 4
+    assert [t.type for t in eight.data] == [t.type for t in four.data]
+    assert list(eight.data[2].y) != list(four.data[2].y)        # the slots moved
+    assert max(eight.data[0].y) == 7 and max(four.data[0].y) == 3
+    flat = policy_gantt(lengths, 8, 0.0, cost)
+    assert list(flat.data[0].x) != list(eight.data[0].x)
+    assert "continuous batching" in eight.layout.title.text
+
+
+def test_paged_and_reserved_bytes():
+    assert paged_kv_bytes([1, 16, 17], 16, 10) == (1 + 1 + 2) * 16 * 10
+    assert reserved_kv_bytes(3, 2048, 10) == 3 * 2048 * 10
+    with pytest.raises(ValueError):
+        paged_kv_bytes([3], 0, 10)
+    with pytest.raises(ValueError):
+        reserved_kv_bytes(1, 0, 10)
+
+
+def test_decode_step_sweep_runs_on_a_tiny_model(tiny_model):
+    points = decode_step_sweep(tiny_model, (1, 2, 4), context_len=8, repeats=2, progress=False)
+    assert [p.batch for p in points] == [1, 2, 4]
+    assert all(p.step_s > 0 and p.spread_s >= 0 and p.tokens_per_s == p.batch / p.step_s for p in points)
+    fig = sweep_figure(points, find_knee([1, 2, 4], [p.tokens_per_s for p in points]))
+    assert len(fig.data) == 2
+    with pytest.raises(ValueError, match="increasing"):
+        decode_step_sweep(tiny_model, (4, 2), progress=False)
+    with pytest.raises(ValueError, match="context_len"):
+        decode_step_sweep(tiny_model, (1,), context_len=0, progress=False)
