@@ -112,6 +112,51 @@ def cache_nbytes(cache: DynamicCache) -> int:
     return total
 
 
+def step_seconds(model, token_ids: torch.Tensor, contexts, *, repeats: int = 3, device="cpu") -> dict:
+    """Median seconds of one greedy step ending at each context length, both ways.
+
+    ``token_ids`` (1, >= max(contexts)) supplies the text. The cached step runs against a
+    cache of ``n - 1`` positions (cropped back after every timed call, so each run sees the
+    same length). Returns ``{"recompute": [...], "cached": [...]}`` in the order of ``contexts``.
+    """
+    from .measure import time_call
+
+    if token_ids.dim() != 2 or token_ids.shape[1] < max(contexts):
+        raise ValueError(f"token_ids must be (1, >= {max(contexts)}), got {tuple(token_ids.shape)}")
+    out = {"recompute": [], "cached": []}
+    with torch.no_grad():
+        for n in contexts:
+            ids = token_ids[:, :n]
+            out["recompute"].append(time_call(lambda: model(ids, use_cache=False), warmup=1, repeats=repeats,
+                                              device=device).median_s)
+            cache = DynamicCache(config=model.config)
+            prefill(model, ids[:, :-1], cache)
+
+            def one_step():
+                decode_one_token(model, ids[:, -1:], cache)
+                cache.crop(-1)             # back to n - 1 positions
+            out["cached"].append(time_call(one_step, warmup=1, repeats=repeats, device=device).median_s)
+    return out
+
+
+def counted_macs(model, fn) -> int:
+    """MACs that ``torch.utils.flop_counter`` counts while ``fn()`` runs (FLOPs / 2).
+
+    Attention is switched to the eager implementation for the count, so the two score
+    matmuls appear as ordinary matrix products; the previous implementation is restored.
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            fn()
+    finally:
+        model.set_attn_implementation(previous)
+    return counter.get_total_flops() // 2
+
+
 # --- one attention head --------------------------------------------------------------------
 
 @dataclass
@@ -127,9 +172,9 @@ def head_step_recompute(x: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv:
     q, k, v = x @ wq, x @ wk, x @ wv                               # (n, d) each
     scores = (q @ k.T) / math.sqrt(q.shape[-1])                     # (n, n)
     n = x.shape[0]
-    causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-    return HeadStep(out=(probs @ v)[-1], scores=scores)
+    future = torch.ones(n, n, dtype=torch.bool, device=x.device).triu_(diagonal=1)
+    scores.masked_fill_(future, float("-inf"))                      # causal: position i sees 0..i
+    return HeadStep(out=(scores.softmax(-1) @ v)[-1], scores=scores)
 
 
 def head_step_cached(x_new: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -226,6 +271,21 @@ def macs_bytes_table(n_ctx: int, dims: ModelDims, weight_macs: int, *, bytes_per
         "KV cache bytes held": {"recompute": 0,
                                 "KV cache": kv_cache_bytes(n_ctx, dims, bytes_per_element=bytes_per_element)},
     }
+
+
+def macs_bytes_figure(n_ctx: int, dims: ModelDims, weight_macs: int, *, bytes_per_element: int = 4):
+    """The chapter 01 widget's chart: both ways at context ``n_ctx``, on a log axis (a pure function)."""
+    from .plots import bar_figure
+
+    table = macs_bytes_table(n_ctx, dims, weight_macs, bytes_per_element=bytes_per_element)
+    rows = list(table)
+    ratio = table["MACs per step"]["recompute"] / table["MACs per step"]["KV cache"]
+    fig = bar_figure(rows, {way: [max(table[r][way], 1) for r in rows] for way in ("recompute", "KV cache")},
+                     title=f"At n = {n_ctx:,} tokens a recomputed step does {ratio:,.0f}x the MACs of a cached step",
+                     x_title="quantity (one step, one sequence)", y_title="MACs or bytes (log scale)",
+                     log_y=True, text_format=",.3g")
+    fig.update_traces(textposition="outside", cliponaxis=False)
+    return fig
 
 
 # --- benchmark rows (python -m course_utils.bench) ------------------------------------------------

@@ -67,10 +67,14 @@ def dim_max(h: torch.Tensor) -> torch.Tensor:
 
 
 def outlier_dims(maxima: torch.Tensor, k: int = 4) -> list[int]:
-    """The ``k`` dimensions with the largest maximum over all layers, largest first. maxima: (n_layers, d)."""
+    """The ``k`` dimensions that are large in most layers, largest first. maxima: (n_layers, d).
+
+    Ranked by the median over layers of each dimension's maximum, so a dimension that is huge
+    in one layer only does not count as a persistent outlier (with one layer: its maximum).
+    """
     if not 1 <= k <= maxima.shape[-1]:
         raise ValueError(f"k must be between 1 and {maxima.shape[-1]}, got {k}")
-    return maxima.amax(dim=0).topk(k).indices.tolist()
+    return maxima.median(dim=0).values.topk(k).indices.tolist()
 
 
 def outlier_span(maxima: torch.Tensor, dim: int, *, factor: float = 10.0) -> tuple[int, int] | None:

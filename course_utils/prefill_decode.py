@@ -220,7 +220,7 @@ def chat_input_ids(tokenizer, user_message: str, *, device="cpu") -> torch.Tenso
 
 
 @torch.no_grad()
-def stream_generate(model, tokenizer, user_message: str, max_new_tokens: int, *, device="cpu") -> StreamRecord:
+def stream_generate(model, tokenizer, user_message: str, max_new_tokens: int) -> StreamRecord:
     """Send one chat request to ``model.generate`` (greedy) and time every token as it is produced.
 
     The clock starts before the prompt is tokenized, as a server's would when the request
@@ -228,13 +228,13 @@ def stream_generate(model, tokenizer, user_message: str, max_new_tokens: int, *,
     so runs are comparable.
     """
     _check_count("max_new_tokens", max_new_tokens)
-    synchronize(device)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    synchronize(model.device)
     t0 = time.perf_counter()
     ids = chat_input_ids(tokenizer, user_message, device=model.device)
     clock = TokenClock(t0)
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                   min_new_tokens=max_new_tokens, do_sample=False, streamer=clock,
-                   pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+                   min_new_tokens=max_new_tokens, do_sample=False, streamer=clock, pad_token_id=pad_id)
     return StreamRecord(ids.shape[1], clock.token_ids, clock.arrival_s, clock.end_s,
                         tokenizer.decode(clock.token_ids, skip_special_tokens=True))
 

@@ -170,8 +170,8 @@ def _unblock(blocks: torch.Tensor, shape) -> torch.Tensor:
     return blocks.reshape(shape)
 
 
-def _fp16_up(x: torch.Tensor) -> torch.Tensor:
-    """The smallest fp16 number >= x (x >= 0 and <= 65504), as an fp16 tensor."""
+def fp16_ceil(x: torch.Tensor) -> torch.Tensor:
+    """The smallest fp16 number >= x (|x| <= 65504), as an fp16 tensor: how a scale is stored."""
     h = x.half()
     return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, math.inf)), h)
 
@@ -219,11 +219,11 @@ def quantize(w: torch.Tensor, scheme: Scheme) -> QuantizedTensor:
         top = 2 ** scheme.bits - 1
         lo, hi = torch.aminmax(blocks, dim=1, keepdim=True)
         lo = _fp16_down(lo)
-        step = _fp16_up(((hi - lo.float()) / top).clamp_min(_FP16_TINY))
+        step = fp16_ceil(((hi - lo.float()) / top).clamp_min(_FP16_TINY))
         codes = (blocks - lo.float()).div_(step.float()).round_().clamp_(0, top)
         return QuantizedTensor(codes.to(torch.uint8), step, lo, w.shape, scheme)
     lo, hi = torch.aminmax(blocks, dim=1, keepdim=True)
-    absmax = _fp16_up(torch.maximum(-lo, hi).clamp_min(_FP16_TINY))
+    absmax = fp16_ceil(torch.maximum(-lo, hi).clamp_min(_FP16_TINY))
     x = blocks / absmax.float()                                  # every block now lies in [-1, 1]
     if scheme.kind == "nf4":
         codes = torch.bucketize(x, _NF4_MIDPOINTS.to(x.device))  # index of the nearest level

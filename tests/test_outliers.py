@@ -25,7 +25,8 @@ def test_hooks_record_the_same_states_as_output_hidden_states(tiny_model):
 def _stream_with_outlier():
     torch.manual_seed(0)
     h = torch.randn(6, 20, 32)
-    h[2:5, :, 7] *= 1000                        # dimension 7 huge in layers 2..4
+    h[1:6, :, 7] *= 1000                        # dimension 7 huge in layers 1..5
+    h[0, 0, 20] = 1e5                           # dimension 20 huge in layer 0 only: not persistent
     h[:, 3, 11] = 50                            # dimension 11 large on one token, every layer
     return h
 
@@ -35,7 +36,8 @@ def test_outlier_statistics_find_the_planted_dimensions():
     m = O.dim_max(h)
     assert m.shape == (6, 32)
     assert O.outlier_dims(m, 2) == [7, 11]
-    assert O.outlier_span(m, 7) == (2, 4)
+    assert O.outlier_span(m, 7) == (1, 5)
+    assert O.outlier_span(m, 20) == (0, 0)
     assert O.outlier_span(m, 3) is None
 
 

@@ -99,6 +99,16 @@ class ModelRunner:
             w_down=mlp.down_proj.weight.detach().to(dt), b_down=_cat_bias([mlp.down_proj], dt),
         )
 
+    def step_matrices(self) -> list[torch.Tensor]:
+        """The weight matrices one decode step multiplies, in order (the LM head last)."""
+        names = ("w_qkv", "w_o", "w_gate_up", "w_down")
+        return [layer[n] for layer in self.layers for n in names] + [self.lm_head]
+
+    def step_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every matrix, norm and bias (embedding rows aside)."""
+        vectors = [t for layer in self.layers for k, t in layer.items() if t is not None and not k.startswith("w_")]
+        return sum(t.nbytes for t in self.step_matrices() + vectors + [self.final_norm])
+
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token position takes in the pool, all layers."""

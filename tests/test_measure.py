@@ -1,0 +1,74 @@
+"""Timing and memory measurement: correct counts, sensible values, clear errors."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from course_utils.measure import (Timing, measure_bandwidth, peak_memory, rss_bytes, time_call,
+                                  time_interleaved)
+
+
+def test_time_call_runs_warmup_plus_repeats_and_keeps_result():
+    calls = []
+    t = time_call(lambda: calls.append(1) or len(calls), warmup=2, repeats=4)
+    assert len(calls) == 6 and len(t.samples_s) == 4 and t.result == 6
+    assert t.min_s <= t.median_s <= t.max_s
+
+
+def test_time_call_measures_a_sleep():
+    t = time_call(lambda: time.sleep(0.02), warmup=0, repeats=3)
+    assert t.median_s >= 0.02
+
+
+def test_timing_statistics():
+    t = Timing([0.3, 0.1, 0.2])
+    assert (t.median_s, t.min_s, t.max_s) == (0.2, 0.1, 0.3)
+    assert t.spread_s == pytest.approx(0.1)
+    assert "ms median" in str(t)
+
+
+@pytest.mark.parametrize("kw", [{"warmup": -1}, {"repeats": 0}, {"repeats": 2.5}])
+def test_time_call_rejects_bad_counts(kw):
+    with pytest.raises(ValueError):
+        time_call(lambda: None, **kw)
+
+
+def test_time_call_rejects_non_callable():
+    with pytest.raises(TypeError):
+        time_call(42)
+
+
+def test_time_interleaved_times_each():
+    out = time_interleaved({"a": lambda: None, "b": lambda: time.sleep(0.005)}, warmup=0, repeats=3)
+    assert set(out) == {"a", "b"} and out["b"].median_s > out["a"].median_s
+    with pytest.raises(ValueError):
+        time_interleaved({})
+
+
+def test_peak_memory_sees_a_large_allocation_that_is_freed():
+    nbytes = 200 * 2**20
+
+    def allocate_and_free():
+        x = torch.ones(nbytes // 4)
+        time.sleep(0.05)
+        return float(x[0])
+
+    result = peak_memory(allocate_and_free)
+    assert result.result == 1.0
+    assert 0.9 * nbytes <= result.peak_bytes <= 1.5 * nbytes
+    assert rss_bytes() < result.baseline_bytes + 0.5 * nbytes    # it was freed
+
+
+def test_peak_memory_of_a_later_smaller_call_is_small():
+    peak_memory(lambda: torch.ones(100 * 2**20 // 4).sum())
+    small = peak_memory(lambda: torch.ones(1000).sum())
+    assert small.peak_bytes < 20 * 2**20
+
+
+def test_bandwidth_is_positive_and_rejects_tiny_buffers():
+    bw = measure_bandwidth(nbytes=64 * 2**20, repeats=3)
+    assert 1e8 < bw < 1e13
+    with pytest.raises(ValueError, match="at least 1 MiB"):
+        measure_bandwidth(nbytes=1024)
