@@ -309,3 +309,36 @@ def percentile_dims(maxima_row: torch.Tensor, percentiles=(90, 50, 10)) -> list[
     order = maxima_row.argsort()
     n = order.numel()
     return [int(order[min(n - 1, max(0, math.floor(p / 100 * n)))]) for p in percentiles]
+
+
+# --- benchmark rows (python -m course_utils.bench) --------------------------------------------
+
+BENCH_PROMPT = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a tin of oil "
+                "and a cloth for the lens. He had done this for thirty-one years, through winter storms that shook "
+                "the tower and calm summer nights when the sea lay flat as glass.")
+
+
+def bench(ctx):
+    """Recording time, how far the top residual dimension stands out, and the fixes' errors."""
+    import time
+
+    from .bench import Row
+
+    section = "06 activation outliers"
+    model, tok = ctx.model()
+    ids = tok(BENCH_PROMPT, return_tensors="pt").input_ids
+    t0 = time.perf_counter()
+    h = residual_stream(model, ids)
+    yield Row(section, "record the residual stream (hooks, one forward)", time.perf_counter() - t0, "s",
+              note=f"{h.shape[0]} layers x {h.shape[1]} tokens x {h.shape[2]} dims")
+    maxima = dim_max(h)
+    top = outlier_dims(maxima, 1)[0]
+    yield Row(section, "top residual dimension's max / median dimension's max", (maxima[:, top].max() /
+              maxima.median(dim=1).values.max()).item(), "x", note=f"dimension {top}")
+    inputs = capture_projection_inputs(model, ids)
+    for role, name in pick_layers(inputs).items():
+        w = dict(model.named_modules())[name].weight.detach().float().cpu()
+        errs = fix_errors(inputs[name], w)
+        yield Row(section, f"per-tensor / per-token INT8 error, {role}", errs["activations per-tensor"] /
+                  errs["activations per-token"], "x", note=f"{short_name(name)}: " + ", ".join(
+                      f"{k.split(',')[0]} {v:.4f}" for k, v in errs.items())[:160])
