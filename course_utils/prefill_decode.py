@@ -131,7 +131,8 @@ def prefill_sweep(model, input_ids: torch.Tensor, lengths, *, repeats: int = 3, 
 def decode_sweep(model, input_ids: torch.Tensor, lengths, *, repeats: int = 5, device="cpu") -> list[PhasePoint]:
     """Time one decode step against caches of C tokens, for each C in ``lengths``.
 
-    The longest cache is prefilled once and cropped down to each shorter length.
+    The longest cache is prefilled once and cropped down to each shorter length; the first
+    length timed also gets one warm-up step.
     """
     lengths = sorted(lengths)
     if not lengths or lengths[-1] >= input_ids.shape[1]:
@@ -139,10 +140,11 @@ def decode_sweep(model, input_ids: torch.Tensor, lengths, *, repeats: int = 5, d
     cache = DynamicCache(config=model.config)
     prefill(model, input_ids[:, : lengths[-1]], cache)
     points = []
-    for c in _progress(lengths[::-1], "decode sweep"):
+    for i, c in enumerate(_progress(lengths[::-1], "decode sweep")):
         cache.crop(c - cache.get_seq_length())          # a negative count: tokens to drop
         token = input_ids[:, c:c + 1]
-        points.append(PhasePoint(c, time_decode_step(model, cache, token, warmup=1, repeats=repeats, device=device)))
+        timing = time_decode_step(model, cache, token, warmup=1 if i == 0 else 0, repeats=repeats, device=device)
+        points.append(PhasePoint(c, timing))
     return points[::-1]
 
 
