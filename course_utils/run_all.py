@@ -150,13 +150,10 @@ def main(argv: list[str] | None = None) -> int:
          "results": [asdict(r) for r in results]}, indent=2))
     print(f"\nexecuted notebooks: {out_nb}\nsummary: {args.out / 'summary.md'}")
     if not args.no_site:
-        try:
-            from .site import build_site
-        except ImportError:
-            build_site = None
-        if build_site is not None:
-            index = build_site(out_nb, args.out / "site", results=[asdict(r) for r in results])
-            print(f"HTML site: {index}")
+        from .site import build_site
+        index = build_site(out_nb, args.out / "site", results=[asdict(r) for r in results], machine=machine,
+                           date=time.strftime("%Y-%m-%d"))
+        print(f"HTML site: {index}")
     return 0 if all(r.status == "ok" for r in results) else 1
 
 

@@ -1,0 +1,148 @@
+"""The course as a learner uses it: JupyterLab in headless Chromium, and the static HTML site.
+
+Without Chromium these tests are skipped with a message saying how to install it; under CI
+(``CI`` set) a missing Chromium is a failure. Screenshots go to ``build/screenshots/``.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from browser import CHROMIUM_ARGS, ROOT, JupyterLab, chromium_path, plot_data, screenshot
+
+NOTEBOOKS = ROOT / "notebooks"
+RUN_ALL_TIMEOUT_S = 15 * 60
+
+#: (chapter file, the label of the slider to move): the slider must redraw a chart.
+SLIDER_CASES = [
+    ("05_weight_quantization.ipynb", "bits"),
+    ("04_batching.ipynb", "slots"),
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    executable = chromium_path()
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory, browser):
+    root = tmp_path_factory.mktemp("lab")
+    for nb in NOTEBOOKS.glob("*.ipynb"):
+        shutil.copy(nb, root / nb.name)
+    server = JupyterLab(root, tmp_path_factory.mktemp("lab-settings"))
+    yield server
+    server.stop()
+
+
+def _open_notebook(page, url: str) -> None:
+    """Open a notebook; accept the kernel dialog if JupyterLab asks which kernel to start."""
+    page.goto(url)
+    page.locator(".jp-Notebook").wait_for(timeout=120_000)
+    dialog = page.locator(".jp-Dialog .jp-mod-accept")
+    try:
+        dialog.wait_for(timeout=8_000)
+        dialog.click()
+    except Exception:  # no dialog: the notebook's kernelspec was enough
+        pass
+    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for(timeout=120_000)
+
+
+def _run_all_cells(page, n_code_cells: int) -> None:
+    """Run every cell through JupyterLab's Run menu and wait until all have finished."""
+    page.get_by_role("menuitem", name="Run", exact=True).click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    deadline = time.time() + RUN_ALL_TIMEOUT_S
+    while time.time() < deadline:
+        prompts = page.locator(".jp-CodeCell .jp-InputPrompt").all_inner_texts()
+        done = [p for p in prompts if p.strip().startswith("[") and p.strip()[1:-2].isdigit()]
+        errors = page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'
+                              ':has-text("Traceback")').count()
+        if errors:
+            raise AssertionError(page.locator(".jp-OutputArea-output:has-text('Traceback')").first.inner_text()[:3000])
+        if len(done) == n_code_cells and not any("*" in p for p in prompts):
+            return
+        time.sleep(2)
+    raise AssertionError(f"the notebook did not finish within {RUN_ALL_TIMEOUT_S} s")
+
+
+@pytest.mark.parametrize("notebook,label", SLIDER_CASES, ids=[c[0][:2] + "-" + c[1] for c in SLIDER_CASES])
+def test_a_slider_redraws_its_chart_in_jupyterlab(lab, browser, notebook, label):
+    if not (NOTEBOOKS / notebook).exists():
+        pytest.fail(f"{notebook} is missing")
+    n_code = sum(c.cell_type == "code" for c in nbformat.read(NOTEBOOKS / notebook, as_version=4).cells)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        _open_notebook(page, lab.url(notebook))
+        _run_all_cells(page, n_code)
+        output = page.locator(".jp-OutputArea-output").filter(
+            has=page.locator(".widget-slider .widget-label", has_text=label)).first
+        output.scroll_into_view_if_needed()
+        chart = output.locator(".js-plotly-plot").first
+        chart.wait_for(timeout=60_000)
+        before = plot_data(chart)
+        assert before not in ("[]", ""), "the chart has no data"
+        slider = output.locator(".widget-slider", has=page.locator(".widget-label", has_text=label)).first
+        handle = slider.locator(".noUi-handle").first
+        handle.focus()
+        handle.press("ArrowRight")
+        deadline = time.time() + 30
+        after = plot_data(chart)
+        while after == before and time.time() < deadline:
+            time.sleep(0.25)
+            after = plot_data(chart)
+        output.scroll_into_view_if_needed()
+        shot = screenshot(page, f"lab_{Path(notebook).stem}_{label}")
+        assert after != before, f"moving the '{label}' slider did not change the chart's data (see {shot})"
+    finally:
+        page.close()
+
+
+def test_static_site_renders_charts_offline(tmp_path, browser):
+    """Execute one chapter, build the site from it, and look at it with the network cut off."""
+    import papermill as pm
+
+    from course_utils.site import build_site
+
+    chapter = sorted(NOTEBOOKS.glob("03_*.ipynb")) or sorted(NOTEBOOKS.glob("01_*.ipynb"))
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    pm.execute_notebook(str(chapter[0]), str(executed / chapter[0].name), cwd=str(NOTEBOOKS),
+                        kernel_name="python3", progress_bar=False)
+    index = build_site(executed, tmp_path / "site", results=[{"notebook": chapter[0].stem, "status": "ok",
+                                                              "seconds": 1.0, "peak_rss_bytes": 1e9}])
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    requested = []
+
+    def block_network(route):
+        requested.append(route.request.url)
+        route.abort()
+    page.route("http*://**", block_network)
+    try:
+        page.goto(index.as_uri())
+        link = page.locator("table a").first
+        assert chapter[0].stem in link.get_attribute("href")
+        screenshot(page, "site_index")
+        link.click()
+        page.wait_for_load_state("load")
+        plots = page.locator(".js-plotly-plot")
+        plots.first.wait_for(timeout=60_000)
+        page.wait_for_timeout(1000)
+        n_plots = plots.count()
+        rendered = page.locator(".js-plotly-plot .main-svg").count()
+        assert n_plots >= 2 and rendered >= n_plots, f"{n_plots} plot divs, {rendered} drawn"
+        data = [plot_data(plots.nth(i)) for i in range(n_plots)]
+        assert all(d not in ("[]", "") for d in data), "a chart was drawn without data"
+        plots.first.scroll_into_view_if_needed()
+        screenshot(page, f"site_{chapter[0].stem}")
+    finally:
+        page.close()

@@ -1,0 +1,86 @@
+"""The main job and the HTML site, on small notebooks made in the test."""
+from __future__ import annotations
+
+import json
+
+import nbformat
+import pytest
+
+from course_utils import run_all
+from course_utils.site import WIDGET_MIME, build_site, chapter_summary, chapter_title, static_outputs
+
+
+def _notebook(path, code: str, title: str = "# 01 — A tiny chapter"):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["language_info"] = {"name": "python"}
+    params = nbformat.v4.new_code_cell("MODEL = 'embedded'\nDEVICE = 'cpu'\nN = 3")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [nbformat.v4.new_markdown_cell(f"{title}\n\n**The question.** Does it *work*?"), params,
+                nbformat.v4.new_code_cell(code)]
+    nbformat.write(nb, path)
+
+
+def test_main_job_runs_notebooks_writes_summary_and_fails_on_error(tmp_path, monkeypatch):
+    nbdir = tmp_path / "notebooks"
+    nbdir.mkdir()
+    _notebook(nbdir / "01_ok.ipynb", "import plotly.graph_objects as go\nprint(N * 2)\ngo.Figure(go.Scatter(y=[1, 2]))")
+    _notebook(nbdir / "02_broken.ipynb", "raise RuntimeError('boom')", title="# 02 — Broken")
+    monkeypatch.setattr(run_all, "NOTEBOOKS", nbdir)
+    out = tmp_path / "build"
+    status = run_all.main(["--out", str(out), "-p", "N", "21"])
+    assert status == 1
+    summary = json.loads((out / "summary.json").read_text())
+    by_name = {r["notebook"]: r for r in summary["results"]}
+    assert by_name["01_ok"]["status"] == "ok" and by_name["02_broken"]["status"] == "FAILED"
+    assert "boom" in by_name["02_broken"]["error"]
+    assert by_name["01_ok"]["peak_rss_bytes"] > 10e6          # the kernel process was sampled
+    assert summary["parameters"] == {"N": 21}
+    executed = nbformat.read(out / "notebooks" / "01_ok.ipynb", as_version=4)
+    assert any("42" in o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.outputs)
+    assert "| 01_ok | ok |" in (out / "summary.md").read_text()
+    index = (out / "site" / "index.html").read_text()
+    assert "01_ok.html" in index and "A tiny chapter" in index and (out / "site" / "01_ok.html").exists()
+
+
+def test_only_selects_chapters_and_rejects_unknown(tmp_path, monkeypatch):
+    nbdir = tmp_path / "notebooks"
+    nbdir.mkdir()
+    _notebook(nbdir / "01_a.ipynb", "pass")
+    _notebook(nbdir / "02_b.ipynb", "pass")
+    monkeypatch.setattr(run_all, "NOTEBOOKS", nbdir)
+    assert [p.name for p in run_all.chapter_notebooks(["02"])] == ["02_b.ipynb"]
+    with pytest.raises(SystemExit):
+        run_all.main(["--only", "09", "--out", str(tmp_path / "b")])
+
+
+@pytest.mark.parametrize("text,value", [("3", 3), ("0.5", 0.5), ("true", True), ("[1, 2]", [1, 2]),
+                                        ("Qwen/Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct"), ("cpu", "cpu")])
+def test_parameter_values_are_parsed(text, value):
+    assert run_all._parse_value(text) == value
+
+
+def test_static_outputs_replace_widgets_with_their_static_chart():
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("view")
+    cell.outputs = [nbformat.v4.new_output("display_data", data={WIDGET_MIME: {"model_id": "x"},
+                                                                 "text/html": "<div>chart</div>", "text/plain": "v"}),
+                    nbformat.v4.new_output("display_data", data={WIDGET_MIME: {"model_id": "y"}, "text/plain": "w"})]
+    nb.cells = [cell]
+    nb.metadata["widgets"] = {"state": {}}
+    out = static_outputs(nb)
+    assert WIDGET_MIME not in out.cells[0].outputs[0].data and "text/html" in out.cells[0].outputs[0].data
+    assert WIDGET_MIME in out.cells[0].outputs[1].data          # nothing to fall back to: left alone
+    assert "widgets" not in out.metadata
+
+
+def test_title_and_summary(tmp_path):
+    _notebook(tmp_path / "01_x.ipynb", "pass")
+    nb = nbformat.read(tmp_path / "01_x.ipynb", as_version=4)
+    assert chapter_title(nb, "fallback") == "01 — A tiny chapter"
+    assert chapter_summary(nb) == "Does it work?"
+
+
+def test_site_needs_executed_chapters(tmp_path):
+    with pytest.raises(ValueError, match="no executed chapters"):
+        build_site(tmp_path, tmp_path / "site")
