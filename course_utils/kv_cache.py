@@ -280,10 +280,11 @@ def macs_bytes_figure(n_ctx: int, dims: ModelDims, weight_macs: int, *, bytes_pe
     table = macs_bytes_table(n_ctx, dims, weight_macs, bytes_per_element=bytes_per_element)
     rows = list(table)
     ratio = table["MACs per step"]["recompute"] / table["MACs per step"]["KV cache"]
-    fig = bar_figure(rows, {way: [max(table[r][way], 1) for r in rows] for way in ("recompute", "KV cache")},
+    # a log axis cannot show zero: the recompute path holds no cache, so that bar is left out
+    fig = bar_figure(rows, {way: [table[r][way] or None for r in rows] for way in ("recompute", "KV cache")},
                      title=f"At n = {n_ctx:,} tokens a recomputed step does {ratio:,.0f}x the MACs of a cached step",
                      x_title="quantity (one step, one sequence)", y_title="MACs or bytes (log scale)",
-                     log_y=True, text_format=",.3g")
+                     log_y=True, text_format=".3s")
     fig.update_traces(textposition="outside", cliponaxis=False)
     return fig
 

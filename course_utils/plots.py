@@ -77,6 +77,6 @@ def bar_figure(categories: Iterable, series: dict[str, Sequence], *, title: str,
     for name, y in series.items():
         y = list(y)
         fig.add_bar(x=cats, y=y, name=name,
-                    text=[format(v, text_format) for v in y] if text_format else None)
+                    text=[format(v, text_format) if v is not None else "" for v in y] if text_format else None)
     fig.update_layout(barmode="group")
     return fig

@@ -130,7 +130,7 @@ def test_widget_figure_is_a_pure_function_of_n():
     dims = model_dims({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576})
     a, b = macs_bytes_figure(64, dims, 1000), macs_bytes_figure(2048, dims, 1000)
     table = macs_bytes_table(2048, dims, 1000)
-    assert list(b.data[0].y) == [table[k]["recompute"] or 1 for k in table]
+    assert list(b.data[0].y) == [table[k]["recompute"] or None for k in table]
     assert list(b.data[1].y) == [table[k]["KV cache"] for k in table]
     assert a.data[0].y != b.data[0].y and a.layout.title.text != b.layout.title.text
     assert macs_bytes_figure(64, dims, 1000).to_dict() == a.to_dict()
