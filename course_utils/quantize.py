@@ -10,9 +10,10 @@ per block, the fp16 numbers needed to map back (as GGUF, GPTQ and AWQ files do):
 * ``nf4``: sixteen levels at quantiles of a normal distribution (QLoRA), times ``a``.
 
 A block is the whole tensor, one output row, or a group of ``g`` consecutive weights
-along a row. The stored fp16 numbers are rounded *outwards* (``a`` and ``step`` up, ``lo``
-down) so that no weight falls outside its block's levels: every weight's error is at
-most half the distance between the two levels around it.
+along a row. The stored fp16 numbers are chosen so that every weight's error is at most
+half the distance between the two levels around it (``a`` and ``step`` are rounded up;
+``lo`` to the nearest fp16 number, which is within half a step of the minimum), and so
+that quantizing de-quantised weights again with the same scheme changes nothing.
 
 Chapter 05 measures these schemes on every projection matrix of a model
 (:func:`matrix_errors`), swaps them into a loaded model and back
@@ -176,10 +177,22 @@ def fp16_ceil(x: torch.Tensor) -> torch.Tensor:
     return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, math.inf)), h)
 
 
-def _fp16_down(x: torch.Tensor) -> torch.Tensor:
-    """The largest fp16 number <= x (|x| <= 65504), as an fp16 tensor."""
-    h = x.half()
-    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, -math.inf)), h)
+def _minmax_params(blocks: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp16 minimum and step of each block (n_blocks, 1) for levels ``lo + k * step``, k = 0..top.
+
+    ``lo`` is the block minimum rounded to the nearest fp16 number; ``step`` covers the range
+    ``(max - lo) / top`` rounded up, and is never finer than the fp16 spacing at ``lo`` (nor
+    than 2^-14, fp16's smallest normal number), so the minimum stays within half a step of ``lo``
+    and ``lo + k * step`` is computed exactly: re-quantizing de-quantised weights then finds
+    the same ``lo`` and ``step`` again. The factor 1 - 2^-22 absorbs float32 rounding in
+    ``(max - lo) / top``. For a block stored by GGUF's Q4_1 this gives back its ``m`` and ``d``.
+    """
+    lo, hi = torch.aminmax(blocks, dim=1, keepdim=True)
+    lo = lo.half()
+    mag = lo.abs().clamp(max=2.0 ** 15)           # 32768 and 65504 share the fp16 spacing 32
+    floor = (torch.nextafter(mag, torch.full_like(mag, math.inf)) - mag).float().clamp_min(2.0 ** -14)
+    step = fp16_ceil((hi - lo.float()) / top * (1 - 2.0 ** -22))
+    return lo, torch.maximum(step.float(), floor).half()
 
 
 # --- quantize / de-quantize ------------------------------------------------------------------
@@ -216,11 +229,8 @@ def quantize(w: torch.Tensor, scheme: Scheme) -> QuantizedTensor:
     _check_weights(w, scheme)
     blocks = _blocks(w, scheme)
     if scheme.kind == "minmax":
-        top = 2 ** scheme.bits - 1
-        lo, hi = torch.aminmax(blocks, dim=1, keepdim=True)
-        lo = _fp16_down(lo)
-        step = fp16_ceil(((hi - lo.float()) / top).clamp_min(_FP16_TINY))
-        codes = (blocks - lo.float()).div_(step.float()).round_().clamp_(0, top)
+        lo, step = _minmax_params(blocks, 2 ** scheme.bits - 1)
+        codes = (blocks - lo.float()).div_(step.float()).round_().clamp_(0, 2 ** scheme.bits - 1)
         return QuantizedTensor(codes.to(torch.uint8), step, lo, w.shape, scheme)
     lo, hi = torch.aminmax(blocks, dim=1, keepdim=True)
     absmax = fp16_ceil(torch.maximum(-lo, hi).clamp_min(_FP16_TINY))
@@ -758,13 +768,19 @@ def bench(ctx):
 
     section = "05 weight quantization"
     model, tok = ctx.model()
-    n_weights = sum(m.weight.numel() for m in projection_modules(model).values())
+    from .models import weight_bytes
+
+    mods = projection_modules(model)
+    n_weights = sum(m.weight.numel() for m in mods.values())
+    other_bytes = weight_bytes(model) - sum(m.weight.nbytes for m in mods.values())
     for label, scheme in CHAPTER_SCHEMES.items():
         res = matrix_errors(model, scheme)
         yield Row(section, f"quantize every matrix, {label}", res.seconds, "s",
                   note=f"{len(res.errors)} matrices, mean error {res.mean:.4f}")
-        yield Row(section, f"projection bytes, {label}", n_weights * res.bits_per_weight / 8 / 1e6, "MB",
-                  note=f"{res.bits_per_weight:.3f} bits/weight; fp32 {n_weights * 4 / 1e6:.0f} MB")
+        proj_bytes = n_weights * res.bits_per_weight / 8
+        yield Row(section, f"model bytes, {label}", (proj_bytes + other_bytes) / 1e6, "MB",
+                  note=f"projections {proj_bytes / 1e6:.1f} MB at {res.bits_per_weight:.3f} bits/weight, the rest as "
+                       f"loaded ({other_bytes / 1e6:.0f} MB); all as loaded {weight_bytes(model) / 1e6:.0f} MB")
     scheme = Scheme("absmax", 4, "group", 64, pad=True)
     rows = awq_layer(model, tok, load_text("pride_and_prejudice"), scheme)
     ratios = [r["awq_heldout"] / r["rtn_heldout"] for r in rows]
