@@ -71,12 +71,15 @@ def line_figure(x: Sequence, series: dict[str, Sequence], *, title: str, x_title
 
 def bar_figure(categories: Iterable, series: dict[str, Sequence], *, title: str, x_title: str, y_title: str,
                log_y: bool = False, height: int = 420, text_format: str | None = None) -> go.Figure:
-    """Grouped bars: one bar per category for each entry of ``series``."""
+    """Grouped bars: one bar per category for each entry of ``series``.
+
+    ``text_format`` is a d3 number format (``",.0f"``, ``".3s"`` for SI prefixes, ...) for the
+    value printed on each bar. A ``None`` value draws no bar (a log axis cannot show zero).
+    """
     fig = figure(title, x_title, y_title, log_y=log_y, height=height)
     cats = list(categories)
     for name, y in series.items():
         y = list(y)
-        fig.add_bar(x=cats, y=y, name=name,
-                    text=[format(v, text_format) if v is not None else "" for v in y] if text_format else None)
+        fig.add_bar(x=cats, y=y, name=name, texttemplate=f"%{{y:{text_format}}}" if text_format else None)
     fig.update_layout(barmode="group")
     return fig
