@@ -55,6 +55,7 @@ class JupyterLab:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--port={self.port}", "--ip=127.0.0.1",
              f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={root}",
+             f"--LabApp.workspaces_dir={settings_dir / 'workspaces'}",
              "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"]
             + (["--allow-root"] if hasattr(os, "geteuid") and os.geteuid() == 0 else []),
             cwd=root, env=env, stdout=self.log, stderr=subprocess.STDOUT)
@@ -73,7 +74,8 @@ class JupyterLab:
         raise RuntimeError("jupyter lab did not start in time")
 
     def url(self, notebook: str) -> str:
-        return f"http://127.0.0.1:{self.port}/lab/tree/{notebook}?token={self.token}"
+        # ?reset: start from an empty workspace, so notebooks opened by earlier tests do not reopen
+        return f"http://127.0.0.1:{self.port}/lab/tree/{notebook}?reset&token={self.token}"
 
     def stop(self) -> None:
         self.proc.terminate()
