@@ -402,8 +402,302 @@ def reserved_kv_bytes(n_seqs: int, max_context: int, kv_bytes_per_token: int) ->
     return n_seqs * max_context * kv_bytes_per_token
 
 
-def chat_prompt_ids(tok, question: str) -> list[int]:
-    """Token ids of ``question`` as one user turn in the model's chat template, ready for the assistant's answer."""
-    out = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True)
+def chat_prompt_ids(tok, question: str, system: str | None = None) -> list[int]:
+    """Token ids of ``question`` as one user turn in the model's chat template (after ``system``, if given),
+    ready for the assistant's answer."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = out["input_ids"] if hasattr(out, "keys") else out
     return [int(t) for t in ids]
+
+
+# ---- measured with the engine ------------------------------------------------------------------------
+
+
+def book_prompts(tok, n: int, length: int) -> list[list[int]]:
+    """``n`` different prompts of exactly ``length`` tokens: consecutive pieces of *Pride and Prejudice*."""
+    from .prefill_decode import book_token_ids
+    if n < 1 or length < 1:
+        raise ValueError(f"need n >= 1 and length >= 1, got {n}, {length}")
+    ids = book_token_ids(tok, n * length)[0].tolist()
+    return [ids[i * length:(i + 1) * length] for i in range(n)]
+
+
+def schedule_from_engine(engine, seqs, policy: str) -> Schedule:
+    """A :class:`Schedule` of a finished engine run (times from the first arrival), for the same summaries and Gantt chart.
+
+    The engine records when each request's last token came out; under ``"static"`` a request
+    is heard when the last member of its batch (same ``batch_id``) finishes.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    seqs = [s for s in seqs if s.error is None]
+    if not seqs or any(s.finish_s is None for s in seqs):
+        raise ValueError("every sequence must have finished")
+    t0 = min(s.arrival_s for s in seqs)
+    batch_end: dict[int, float] = {}
+    for s in seqs:
+        batch_end[s.batch_id] = max(batch_end.get(s.batch_id, 0.0), s.finish_s)
+    spans = tuple(Span(i, s.spans[-1][0], s.spans[-1][1] - t0, s.finish_s - t0,
+                       (batch_end[s.batch_id] if policy == "static" else s.finish_s) - t0)
+                  for i, s in enumerate(seqs))
+    decode_steps = sum(1 for st in engine.steps if not st.is_prefill)
+    return Schedule(policy, engine.scheduler.max_num_seqs, spans, sum(s.num_output_tokens for s in seqs), decode_steps)
+
+
+def run_engine_workload(model, prompts: list[list[int]], lengths: Sequence[int], *, policy: str, slots: int,
+                        block_size: int = 16, dtype=None, weights=None, progress: bool = True):
+    """Run requests (all queued at once) through a fresh engine; ``lengths`` are their exact output lengths.
+
+    EOS is ignored so each request produces exactly its length, as in the simulation;
+    prefix caching is off so no request borrows another's work. ``weights``: shared
+    :class:`~course_utils.engine.RunnerWeights` (None = fuse a fresh copy). Returns ``(engine, seqs)``.
+    """
+    from .engine import LLMEngine
+    if len(prompts) != len(lengths):
+        raise ValueError(f"got {len(prompts)} prompts for {len(lengths)} lengths")
+    longest = max(len(p) for p in prompts) + max(lengths)
+    blocks = slots * math.ceil(longest / block_size) + slots
+    engine = LLMEngine(model, num_blocks=blocks, block_size=block_size, max_num_seqs=slots, policy=policy,
+                       prefix_caching=False, dtype=dtype, weights=weights)
+    seqs = engine.generate(prompts, [int(n) for n in lengths], ignore_eos=True, progress=progress)
+    return engine, seqs
+
+
+@torch.no_grad()
+def generate_static_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' ``generate`` on one batch of equal-length prompts, greedy, EOS ignored: the new tokens."""
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("the prompts must have equal lengths (no padding)")
+    ids = torch.tensor(prompts, device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         min_new_tokens=None, do_sample=False, repetition_penalty=1.0, temperature=None,
+                         top_p=None, top_k=None, eos_token_id=None, pad_token_id=0)
+    return out[:, ids.shape[1]:].tolist()
+
+
+def matvec_floor(matrices: list[torch.Tensor]) -> Callable[[], list]:
+    """A callable doing ``torch.mv`` with each matrix: what the kernels need just to read these weights once."""
+    inputs = [torch.ones(w.shape[1], dtype=w.dtype, device=w.device) for w in matrices]
+
+    @torch.no_grad()
+    def run():
+        return [torch.mv(w, x) for w, x in zip(matrices, inputs)]
+    return run
+
+
+def _first_agreeing(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---- looking inside the paged cache ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SharingSummary:
+    """Blocks named by live block tables vs blocks actually held: the difference is what sharing saved."""
+
+    block_references: int
+    distinct_blocks: int
+
+    @property
+    def blocks_saved(self) -> int:
+        return self.block_references - self.distinct_blocks
+
+
+def sharing_summary(block_tables: dict[int, list[int]]) -> SharingSummary:
+    """Count references and distinct blocks over ``{sequence id: block table}``."""
+    refs = [b for table in block_tables.values() for b in table]
+    return SharingSummary(len(refs), len(set(refs)))
+
+
+def block_map_figure(block_tables: dict[int, list[int]], num_blocks: int) -> go.Figure:
+    """Which pool block each live sequence uses: one row per sequence; a column hit by several rows is shared."""
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    users: dict[int, int] = {}
+    for table in block_tables.values():
+        for b in table:
+            users[b] = users.get(b, 0) + 1
+    xs, ys, colours, text = [], [], [], []
+    for seq_id, table in block_tables.items():
+        for pos, b in enumerate(table):
+            xs.append(b)
+            ys.append(f"seq {seq_id}")
+            colours.append(PALETTE[5] if users[b] > 1 else PALETTE[0])
+            text.append(f"block {b} = block {pos} of seq {seq_id}; used by {users[b]} sequence(s)")
+    summary = sharing_summary(block_tables)
+    fig = go.Figure(go.Scatter(x=xs, y=ys, mode="markers", marker=dict(symbol="square", size=11, color=colours),
+                               text=text, hoverinfo="text", showlegend=False))
+    fig.add_scatter(x=[None], y=[None], mode="markers", marker=dict(symbol="square", color=PALETTE[5]),
+                    name="shared block")
+    fig.add_scatter(x=[None], y=[None], mode="markers", marker=dict(symbol="square", color=PALETTE[0]),
+                    name="private block")
+    fig.update_layout(template=TEMPLATE, height=120 + 28 * len(block_tables), hovermode="closest",
+                      title=f"{len(block_tables)} sequences name {summary.block_references} blocks but hold "
+                            f"{summary.distinct_blocks}: sharing saves {summary.blocks_saved}")
+    fig.update_xaxes(title="physical block id in the pool", range=[-1, num_blocks])
+    fig.update_yaxes(title="sequence", autorange="reversed")
+    return fig
+
+
+# ---- benchmark rows (python -m course_utils.bench --only 04) -------------------------------------------
+
+def _shared_weights(ctx, model, dtype: str):
+    """One fused copy of the weights per dtype for all the engines of a benchmark run."""
+    from .engine import RunnerWeights
+    return ctx.get(f"04:engine-weights:{dtype}", lambda: RunnerWeights.from_model(model, dtype))
+
+
+def _bench_decode_step(ctx, section, model, tok):
+    """The engine's decode step at B = 1 against the matrix-vector floor and the bandwidth floor, fp32 and bf16."""
+    from .bench import Row
+    from .engine import LLMEngine
+    from .measure import time_interleaved
+    prompt = book_prompts(tok, 1, 64)[0]
+    outputs, steps = {}, {}
+    for dtype in ("float32", "bfloat16"):
+        weights = _shared_weights(ctx, model, dtype) if dtype == "float32" else None   # bf16: a copy, dropped below
+        engine = LLMEngine(model, num_blocks=8, block_size=16, max_num_seqs=1, prefix_caching=False,
+                           weights=weights, dtype=dtype)
+        engine.add_request(prompt, 40, ignore_eos=True)
+        engine.step()                                                 # the prefill
+        floor = matvec_floor(engine.runner.step_matrices())
+        t = time_interleaved({"step": engine.step, "mv": floor}, warmup=2, repeats=15, device=ctx.device)
+        while engine.has_unfinished():
+            engine.step()
+        outputs[dtype] = engine.sequences[0].output_ids
+        step_s, mv_s = t["step"].median_s, t["mv"].median_s
+        phys_s = engine.runner.step_weight_bytes() / ctx.bandwidth_Bps()
+        steps[dtype] = step_s
+        mb = engine.runner.step_weight_bytes() / 1e6
+        yield Row(section, f"engine decode step, B = 1, {dtype}", step_s * 1e3, "ms",
+                  note=f"spread ±{t['step'].spread_s * 1e3:.1f} ms; torch.mv over the same {mb:,.0f} MB of "
+                       f"weights {mv_s * 1e3:.1f} ms ({engine.runner.step_weight_bytes() / mv_s / 1e9:.1f} GB/s)")
+        if dtype == "float32":
+            yield Row(section, "engine step / torch.mv floor, B = 1, float32", step_s / mv_s, "x", "<= 1.15x",
+                      step_s / mv_s <= 1.15, note="framework overhead above the kernels' own matrix-vector time")
+        else:
+            yield Row(section, "engine step / torch.mv floor, B = 1, bfloat16", step_s / mv_s, "x")
+        yield Row(section, f"engine step / (weight bytes / bandwidth), {dtype}", step_s / phys_s, "x",
+                  note=f"physical floor {phys_s * 1e3:.1f} ms at {ctx.bandwidth_Bps() / 1e9:.1f} GB/s")
+        del engine
+    same = _first_agreeing(outputs["float32"], outputs["bfloat16"])
+    yield Row(section, "bf16 step speed-up over fp32, B = 1", steps["float32"] / steps["bfloat16"], "x",
+              note=f"bf16 tokens equal fp32's for the first {same} of {len(outputs['float32'])} (greedy)")
+
+
+def _bench_vs_generate(ctx, section, model, tok, new_tokens: int = 32, prompt_len: int = 32):
+    """Engine vs ``generate`` with the same static batch: end-to-end and decode-only tokens/s."""
+    from .bench import Row
+    from .engine import LLMEngine
+    from .measure import time_call
+    for batch in (8, 16):
+        prompts = book_prompts(tok, batch, prompt_len)
+        engine = LLMEngine(model, num_blocks=batch * math.ceil((prompt_len + new_tokens) / 16), block_size=16,
+                           max_num_seqs=batch, policy="static", prefix_caching=False,
+                           weights=_shared_weights(ctx, model, "float32"))
+        fns = {("generate", 1): lambda: generate_static_batch(model, prompts, 1),
+               ("engine", 1): lambda: [s.output_ids for s in engine.generate(prompts, 1, ignore_eos=True)],
+               ("generate", new_tokens): lambda: generate_static_batch(model, prompts, new_tokens),
+               ("engine", new_tokens): lambda: [s.output_ids for s in engine.generate(prompts, new_tokens,
+                                                                                       ignore_eos=True)]}
+        fns[("generate", 1)](), fns[("engine", 1)]()                          # warm-up
+        times = {k: [] for k in fns}
+        results = {}
+        for _ in range(2):                                                   # interleaved, best of 2
+            for k, fn in fns.items():
+                t = time_call(fn, warmup=0, repeats=1, device=ctx.device)
+                times[k].append(t.min_s)
+                results[k] = t.result
+        best = {k: min(v) for k, v in times.items()}
+        same = sum(a == b for a, b in zip(results[("generate", new_tokens)], results[("engine", new_tokens)]))
+        rates = {}
+        for who in ("generate", "engine"):
+            rates[who] = (batch * new_tokens / best[(who, new_tokens)],
+                          batch * (new_tokens - 1) / max(1e-9, best[(who, new_tokens)] - best[(who, 1)]))
+        for i, what in enumerate(("end-to-end", "decode-only")):
+            ratio = rates["engine"][i] / rates["generate"][i]
+            yield Row(section, f"engine / generate {what} tokens/s, static batch B = {batch}", ratio, "x", ">= 1.5x",
+                      ratio >= 1.5, note=f"engine {rates['engine'][i]:.1f} vs generate {rates['generate'][i]:.1f} "
+                                         f"tok/s; {prompt_len}-token prompts, {new_tokens} new tokens; "
+                                         f"{same}/{batch} requests with identical tokens")
+        if batch == 16:
+            yield from _bench_vs_generate_batch(ctx, section, model, prompts, new_tokens, rates["engine"][0],
+                                                results[("engine", new_tokens)])
+        del engine
+
+
+def _bench_vs_generate_batch(ctx, section, model, prompts, new_tokens, static_rate, static_tokens):
+    """Engine (continuous) vs transformers' own continuous batching on the same 16 requests."""
+    from transformers import GenerationConfig
+    from transformers.utils import logging as hf_logging
+    from .bench import Row
+    from .engine import LLMEngine
+    from .measure import time_call
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        hf = time_call(lambda: model.generate_batch([list(p) for p in prompts], generation_config=config),
+                       warmup=0, repeats=1, device=ctx.device)
+    except Exception as exc:   # noqa: BLE001 -- report, do not hide
+        yield Row(section, f"generate_batch FAILED: {type(exc).__name__}: {exc}"[:100], float("nan"), "")
+        return
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    hf_tokens = [list(r.generated_tokens) for r in hf.result.values()]
+    engine = LLMEngine(model, num_blocks=len(prompts) * 4 + 4, block_size=16, max_num_seqs=len(prompts),
+                       prefix_caching=False, weights=_shared_weights(ctx, model, "float32"))
+    ours = time_call(lambda: engine.generate(prompts, new_tokens, ignore_eos=True), warmup=0, repeats=1,
+                     device=ctx.device)
+    n_tokens = len(prompts) * new_tokens
+    same = sum(a == s.output_ids for a, s in zip(hf_tokens, ours.result))
+    yield Row(section, "engine / generate_batch tokens/s, same 16 requests", hf.median_s / ours.median_s, "x",
+              note=f"engine {n_tokens / ours.median_s:.1f} vs transformers' continuous batching "
+                   f"{n_tokens / hf.median_s:.1f} tok/s (its call includes its own set-up); {same}/16 identical")
+
+
+def _bench_workload(ctx, section, model, tok, prompt_len: int = 8):
+    """The syllabus workload through the engine under both policies, and the KV memory it needed."""
+    from .bench import Row
+    lengths = syllabus_output_lengths()
+    prompts = book_prompts(tok, len(lengths), prompt_len)
+    scheds, engines = {}, {}
+    for policy in ("continuous", "static"):
+        engines[policy], seqs = run_engine_workload(model, prompts, lengths, policy=policy, slots=8, progress=False,
+                                                    weights=_shared_weights(ctx, model, "float32"))
+        scheds[policy] = schedule_from_engine(engines[policy], seqs, policy)
+    cont, stat = scheds["continuous"], scheds["static"]
+    ratio = cont.throughput_tok_s / stat.throughput_tok_s
+    common = f"64 requests, {prompt_len}-token prompts (scaled down from the source's), 8 slots, {sum(lengths):,} tokens"
+    yield Row(section, "continuous / static throughput, syllabus workload, engine", ratio, "x", ">= 1.5x", ratio >= 1.5,
+              note=f"{cont.throughput_tok_s:.1f} vs {stat.throughput_tok_s:.1f} tok/s; {common}")
+    lat = stat.mean_latency_s / cont.mean_latency_s
+    in_slot = np.mean([s.end_s - s.start_s for s in cont.spans])
+    yield Row(section, "static / continuous mean latency, syllabus workload, engine", lat, "x", ">= 5x", lat >= 5,
+              note=f"{stat.mean_latency_s:.0f} s vs {cont.mean_latency_s:.0f} s from arrival (p95 {stat.p95_latency_s:.0f} "
+                   f"vs {cont.p95_latency_s:.0f} s); counting continuous from admission instead: "
+                   f"{stat.mean_latency_s / in_slot:.1f}x")
+    engine = engines["continuous"]
+    per_token = engine.runner.kv_bytes_per_token
+    paged = max(st.blocks_used for st in engine.steps) * engine.block_manager.block_size * per_token
+    reserved = reserved_kv_bytes(8, prompt_len + int(max(lengths)), per_token)
+    yield Row(section, "peak KV bytes, paged, continuous run", paged / 2**20, "MiB",
+              note=f"{per_token:,} B per token position")
+    yield Row(section, "KV bytes: max-context reservation / paged peak", reserved / paged, "x",
+              note=f"reserving {prompt_len + int(max(lengths))} positions for each of 8 slots: {reserved / 2**20:.1f} MiB")
+
+
+def bench(ctx):
+    """Chapter 04 rows: the engine's decode step, engine vs generate / generate_batch, static vs continuous."""
+    section = "04 batching"
+    model, tok = ctx.model()
+    yield from _bench_decode_step(ctx, section, model, tok)
+    yield from _bench_vs_generate(ctx, section, model, tok)
+    yield from _bench_workload(ctx, section, model, tok)

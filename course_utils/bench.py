@@ -27,6 +27,7 @@ SECTIONS: list[tuple[str, str]] = [
     ("01 KV cache", "course_utils.kv_cache:bench"),
     ("02 prefill vs decode", "course_utils.prefill_decode:bench"),
     ("03 KV-cache memory", "course_utils.memory_sizing:bench"),
+    ("04 batching", "course_utils.batching:bench"),
     ("05 weight quantization", "course_utils.quantize:bench"),
     ("06 activation outliers", "course_utils.outliers:bench"),
 ]

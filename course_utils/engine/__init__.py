@@ -8,10 +8,10 @@ transformers' ``generate``).
 from .block_manager import Block, BlockManager, block_hash
 from .check import Agreement, check_against_generate, compare_tokens, reference_generate
 from .engine import LLMEngine, StepRecord, eos_ids_of
-from .model_runner import ModelRunner, StepInput
+from .model_runner import ModelRunner, RunnerWeights, StepInput
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
-__all__ = ["Agreement", "Block", "BlockManager", "LLMEngine", "ModelRunner", "Scheduler", "Sequence", "Status",
+__all__ = ["Agreement", "Block", "BlockManager", "LLMEngine", "ModelRunner", "RunnerWeights", "Scheduler", "Sequence", "Status",
            "StepInput", "StepRecord", "block_hash", "check_against_generate", "compare_tokens", "eos_ids_of",
            "reference_generate"]

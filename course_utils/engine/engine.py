@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .block_manager import BlockManager
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, RunnerWeights
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
@@ -46,13 +46,14 @@ class LLMEngine:
 
     ``num_blocks * block_size`` token positions of cache are allocated up front.
     ``max_num_seqs`` is the number of slots; ``policy`` is ``"continuous"`` or ``"static"``.
+    ``weights``: a :class:`RunnerWeights` to share with other engines on the same model.
     """
 
     def __init__(self, model, *, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 8,
                  max_num_batched_tokens: int | None = None, policy: str = "continuous",
-                 prefix_caching: bool = True, dtype=None, eos_token_ids=None):
+                 prefix_caching: bool = True, dtype=None, eos_token_ids=None, weights: RunnerWeights | None = None):
         self.block_manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
-        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, dtype=dtype, weights=weights)
         self.capacity_tokens = min(num_blocks * block_size, self.runner.max_positions)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs, policy=policy,
                                    max_num_batched_tokens=max_num_batched_tokens or self.capacity_tokens)

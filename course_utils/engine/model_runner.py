@@ -9,6 +9,7 @@ context block by block (one indexed read for the batch) and attends to it.
 At construction the runner fuses the query/key/value projections into one matrix and
 the gate/up projections into another, so a layer runs four matrix products. It supports
 the llama and qwen2 architectures (qwen2 adds biases to q/k/v and ties its embeddings).
+:class:`RunnerWeights` holds the fused weights, so several engines can share one copy.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 class StepInput:
     """The tensors one step needs, built once and shared by every layer.
 
-    T new tokens of S sequences; Q = longest query run, C = longest context (positions).
+    T new tokens of S sequences; Q = longest run of new tokens, C = longest context (positions),
+    g = query heads per key/value head.
     """
 
     input_ids: torch.Tensor      # (T,) token ids of the new tokens, sequence after sequence
@@ -35,7 +37,7 @@ class StepInput:
     write_rows: torch.Tensor | None  # (W,) rows of the new tokens whose keys/values are stored; None = all
     write_slots: torch.Tensor    # (W,) pool slots they are stored in
     block_tables: torch.Tensor   # (S, C / block_size) block ids, padded with 0
-    mask: torch.Tensor           # (S, 1, Q, C) True where a query may attend to a key position
+    attn_bias: torch.Tensor      # (S, 1, Q * g, C) 0 where a query may attend to a key position, -inf elsewhere
     pad_index: torch.Tensor | None  # (T,) row of each token in the padded (S * Q) layout; None when Q = 1
     last_rows: torch.Tensor      # (S,) row of each sequence's last new token
 
@@ -58,21 +60,63 @@ def _cat_bias(linears, dtype) -> torch.Tensor | None:
                       for m in linears]).to(dtype)
 
 
+@dataclass
+class RunnerWeights:
+    """The model's weights as the runner multiplies them: q/k/v and gate/up fused per layer.
+
+    Fusing copies those matrices once; build this once and hand it to every engine on the
+    same model (``LLMEngine(..., weights=w)``) so they share one copy. The other tensors
+    are the model's own (no copy when the dtype is unchanged).
+    """
+
+    dtype: torch.dtype
+    layers: list[dict]
+    embed: torch.Tensor
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor
+
+    @classmethod
+    @torch.no_grad()
+    def from_model(cls, model, dtype=None) -> "RunnerWeights":
+        _check_supported(model)
+        dt = resolve_dtype(dtype) if dtype is not None else model.dtype
+        layers = []
+        for layer in model.model.layers:
+            att, mlp = layer.self_attn, layer.mlp
+            layers.append(dict(
+                in_norm=layer.input_layernorm.weight.detach().to(dt),
+                w_qkv=torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).to(dt),
+                b_qkv=_cat_bias([att.q_proj, att.k_proj, att.v_proj], dt),
+                w_o=att.o_proj.weight.detach().to(dt), b_o=_cat_bias([att.o_proj], dt),
+                post_norm=layer.post_attention_layernorm.weight.detach().to(dt),
+                w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dt),
+                b_gate_up=_cat_bias([mlp.gate_proj, mlp.up_proj], dt),
+                w_down=mlp.down_proj.weight.detach().to(dt), b_down=_cat_bias([mlp.down_proj], dt)))
+        return cls(dt, layers, model.model.embed_tokens.weight.detach().to(dt),
+                   model.model.norm.weight.detach().to(dt), model.lm_head.weight.detach().to(dt))
+
+
+def _add_linear(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``h + x @ w.T (+ b)``: a residual connection, fused into one matrix product where there is no bias."""
+    return torch.addmm(h, x, w.t()) if b is None else h + F.linear(x, w, b)
+
+
 class ModelRunner:
     """Greedy next tokens for a batch of sequences, reading K/V through their block tables."""
 
-    def __init__(self, model, *, num_blocks: int, block_size: int, dtype=None):
+    def __init__(self, model, *, num_blocks: int, block_size: int, dtype=None, weights: RunnerWeights | None = None):
         _check_supported(model)
+        if weights is None:
+            weights = RunnerWeights.from_model(model, dtype)
+        elif dtype is not None and resolve_dtype(dtype) != weights.dtype:
+            raise ValueError(f"dtype {dtype} differs from the given weights' {weights.dtype}")
         self.dims = dims = model_dims(model.config)
-        self.dtype = resolve_dtype(dtype) if dtype is not None else model.dtype
-        self.device = model.device
+        self.dtype, self.device = weights.dtype, model.device
         self.num_blocks, self.block_size = num_blocks, block_size
         self.eps = model.config.rms_norm_eps
         self.act = model.model.layers[0].mlp.act_fn
-        self.layers = [self._fuse(layer) for layer in model.model.layers]
-        self.embed = model.model.embed_tokens.weight.detach().to(self.dtype)
-        self.final_norm = model.model.norm.weight.detach().to(self.dtype)
-        self.lm_head = model.lm_head.weight.detach().to(self.dtype)
+        self.layers, self.embed = weights.layers, weights.embed
+        self.final_norm, self.lm_head = weights.final_norm, weights.lm_head
         pool_shape = (dims.n_layers, num_blocks * block_size, dims.n_kv_heads, dims.head_dim)
         self.k_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
         self.v_pool = torch.zeros(pool_shape, dtype=self.dtype, device=self.device)
@@ -84,20 +128,9 @@ class ModelRunner:
         freqs = torch.arange(self.max_positions, device=self.device).float()[:, None] * rot.inv_freq.float()[None]
         emb = torch.cat((freqs, freqs), dim=-1)                  # (positions, head_dim), as transformers does
         self.cos = (emb.cos() * rot.attention_scaling).to(self.dtype)
-        self.sin = (emb.sin() * rot.attention_scaling).to(self.dtype)
-
-    def _fuse(self, layer) -> dict:
-        att, mlp, dt = layer.self_attn, layer.mlp, self.dtype
-        return dict(
-            in_norm=layer.input_layernorm.weight.detach().to(dt),
-            w_qkv=torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach().to(dt),
-            b_qkv=_cat_bias([att.q_proj, att.k_proj, att.v_proj], dt),
-            w_o=att.o_proj.weight.detach().to(dt), b_o=_cat_bias([att.o_proj], dt),
-            post_norm=layer.post_attention_layernorm.weight.detach().to(dt),
-            w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach().to(dt),
-            b_gate_up=_cat_bias([mlp.gate_proj, mlp.up_proj], dt),
-            w_down=mlp.down_proj.weight.detach().to(dt), b_down=_cat_bias([mlp.down_proj], dt),
-        )
+        sin = (emb.sin() * rot.attention_scaling).to(self.dtype)
+        half = dims.head_dim // 2                                # rotate_half(x) * sin == roll(x, half) * (sin, first half negated)
+        self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def step_matrices(self) -> list[torch.Tensor]:
         """The weight matrices one decode step multiplies, in order (the LM head last)."""
@@ -138,19 +171,24 @@ class ModelRunner:
             qpos[i, :q] = torch.tensor(pos[r:r + q])
             pad_index += range(i * Q, i * Q + q)
             r += q
-        mask = torch.arange(max_blocks * bs)[None, None, :] <= qpos[:, :, None]   # causal, and inside the context
+        allowed = torch.arange(max_blocks * bs)[None, None, :] <= qpos[:, :, None]   # causal, and inside the context
+        g = self.dims.n_heads // self.dims.n_kv_heads
+        allowed = allowed.repeat_interleave(g, dim=1)[:, None]        # one row per (new token, query head of a group)
+        bias = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
         dev, lt = self.device, torch.long
         return StepInput(
             input_ids=torch.tensor(ids, dtype=lt, device=dev), positions=torch.tensor(pos, dtype=lt, device=dev),
             write_rows=None if len(rows) == len(ids) else torch.tensor(rows, dtype=lt, device=dev), write_slots=torch.tensor(slots, dtype=lt, device=dev),
-            block_tables=torch.tensor(tables, dtype=lt, device=dev), mask=mask[:, None].to(dev),
+            block_tables=torch.tensor(tables, dtype=lt, device=dev), attn_bias=bias.to(dev),
             pad_index=None if Q == 1 else torch.tensor(pad_index, dtype=lt, device=dev),
             last_rows=torch.tensor(q_lens, device=dev).cumsum(0) - 1)
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """RMSNorm in transformers' order of operations (normalised in float32, then scaled by the weight)."""
         if x.dtype == torch.float32:
             return F.rms_norm(x, w.shape, w, self.eps)
-        return w * F.rms_norm(x.float(), w.shape, None, self.eps).to(x.dtype)   # transformers' order in half precision
+        xf = x.float()
+        return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: StepInput) -> torch.Tensor:
         """Store this layer's new keys/values, then attend over each sequence's paged context. Returns (T, n_heads * head_dim)."""
@@ -159,18 +197,17 @@ class ModelRunner:
             k, v = k.index_select(0, inp.write_rows), v.index_select(0, inp.write_rows)
         self.k_slots[i].index_copy_(0, inp.write_slots, k)
         self.v_slots[i].index_copy_(0, inp.write_slots, v)
-        S, Q, C = inp.mask.shape[0], inp.mask.shape[2], inp.mask.shape[3]
         g = d.n_heads // d.n_kv_heads                            # query heads per key/value head
+        S, Q, C = inp.attn_bias.shape[0], inp.attn_bias.shape[2] // g, inp.attn_bias.shape[3]
         tables = inp.block_tables.view(-1)                        # gather whole blocks: (S * blocks, block_size * n_kv * head_dim)
         keys = self.k_blocks[i].index_select(0, tables).view(S, C, d.n_kv_heads, d.head_dim).transpose(1, 2)
         values = self.v_blocks[i].index_select(0, tables).view(S, C, d.n_kv_heads, d.head_dim).transpose(1, 2)
         if inp.pad_index is None:                                 # decode: one query per sequence
             q = q.reshape(S, d.n_kv_heads, g, d.head_dim)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=inp.mask).view(S, -1)
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=inp.attn_bias).view(S, -1)
         q = q.new_zeros(S * Q, d.n_heads, d.head_dim).index_copy_(0, inp.pad_index, q)   # pad each run to Q rows
         q = q.view(S, Q, d.n_kv_heads, g, d.head_dim).permute(0, 2, 1, 3, 4).reshape(S, d.n_kv_heads, Q * g, d.head_dim)
-        mask = inp.mask.repeat_interleave(g, dim=2) if g > 1 else inp.mask
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # (S, n_kv, Q * g, head_dim)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=inp.attn_bias)  # (S, n_kv, Q * g, head_dim)
         out = out.view(S, d.n_kv_heads, Q, g, d.head_dim).permute(0, 2, 1, 3, 4).reshape(S * Q, -1)
         return out.index_select(0, inp.pad_index)
 
@@ -179,13 +216,12 @@ class ModelRunner:
         qkv = F.linear(self._rms_norm(h, w["in_norm"]), w["w_qkv"], w["b_qkv"])
         n_qk = (d.n_heads + d.n_kv_heads) * d.head_dim
         qk = qkv[:, :n_qk].view(-1, d.n_heads + d.n_kv_heads, d.head_dim)
-        x1, x2 = qk.chunk(2, dim=-1)
-        qk = qk * cos + torch.cat((-x2, x1), dim=-1) * sin         # rotary position embedding, q and k at once
+        qk = qk * cos + qk.roll(d.head_dim // 2, dims=-1) * sin    # rotary embedding of q and k (sin's first half negated)
         v = qkv[:, n_qk:].view(-1, d.n_kv_heads, d.head_dim)
         attn = self._attention(i, qk[:, :d.n_heads], qk[:, d.n_heads:], v, inp)
-        h = h + F.linear(attn, w["w_o"], w["b_o"])
+        h = _add_linear(h, attn, w["w_o"], w["b_o"])
         gate, up = F.linear(self._rms_norm(h, w["post_norm"]), w["w_gate_up"], w["b_gate_up"]).chunk(2, dim=-1)
-        return h + F.linear(self.act(gate) * up, w["w_down"], w["b_down"])
+        return _add_linear(h, self.act(gate) * up, w["w_down"], w["b_down"])
 
     @torch.no_grad()
     def forward(self, inp: StepInput) -> torch.Tensor:
