@@ -101,21 +101,25 @@ def decode_step_sweep(model, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *, context_le
 
 
 def find_knee(batch_sizes: Sequence[int], tokens_per_s: Sequence[float], *, min_gain: float = 0.25) -> int | None:
-    """The batch size after which doubling the batch first buys less than ``min_gain`` more throughput.
+    """The batch size after which every further doubling buys less than ``min_gain`` more throughput.
 
-    Gains between batch sizes that are not a doubling apart are scaled to one doubling
-    (``ratio ** (1 / log2(B2 / B1))``). Returns None when every step up still pays.
+    Scanning from the largest batch down, the knee sits just after the last step up that
+    still paid at least ``min_gain`` per doubling (a single noisy dip at small batches does
+    not end the search). Gains between batch sizes that are not a doubling apart are scaled
+    to one doubling (``ratio ** (1 / log2(B2 / B1))``). Returns None when even the largest
+    step up still pays, i.e. there is no knee in the measured range.
     """
     sizes = _check_batch_sizes(batch_sizes)
     if len(sizes) != len(tokens_per_s) or len(sizes) < 2:
         raise ValueError("need one throughput per batch size, and at least two batch sizes")
     if any(not t > 0 for t in tokens_per_s):
         raise ValueError("throughputs must be positive")
-    for (b1, t1), (b2, t2) in zip(zip(sizes, tokens_per_s), zip(sizes[1:], tokens_per_s[1:])):
-        gain_per_doubling = (t2 / t1) ** (1 / math.log2(b2 / b1)) - 1
-        if gain_per_doubling < min_gain:
-            return b1
-    return None
+    gains = [(t2 / t1) ** (1 / math.log2(b2 / b1)) - 1
+             for b1, b2, t1, t2 in zip(sizes, sizes[1:], tokens_per_s, tokens_per_s[1:])]
+    if gains[-1] >= min_gain:
+        return None
+    paid = [i for i, g in enumerate(gains) if g >= min_gain]
+    return sizes[paid[-1] + 1] if paid else sizes[0]
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,7 @@ def round_preserving_total(x: Sequence[float], total: int) -> np.ndarray:
 
 
 def _upper_tail(u: np.ndarray, median: float, longest: float, target: float) -> np.ndarray:
-    """Map values ``u`` in (0, 1) to ``median + (longest - median) * u ** q``, with q chosen so they sum to ``target``."""
+    """Map ``u`` in (0, 1) to ``median + (longest - median) * u ** q``, with q chosen so they sum to ``target``."""
     lo, hi = 1e-3, 1e3                                          # the shape exponent: larger -> smaller sum
     for _ in range(200):
         q = math.sqrt(lo * hi)
@@ -424,7 +428,7 @@ def book_prompts(tok, n: int, length: int) -> list[list[int]]:
 
 
 def schedule_from_engine(engine, seqs, policy: str) -> Schedule:
-    """A :class:`Schedule` of a finished engine run (times from the first arrival), for the same summaries and Gantt chart.
+    """A :class:`Schedule` of a finished engine run (times from the first arrival): same summaries, same Gantt chart.
 
     The engine records when each request's last token came out; under ``"static"`` a request
     is heard when the last member of its batch (same ``batch_id``) finishes.
@@ -587,9 +591,13 @@ def _bench_decode_step(ctx, section, model, tok):
         yield Row(section, f"engine step / (weight bytes / bandwidth), {dtype}", step_s / phys_s, "x",
                   note=f"physical floor {phys_s * 1e3:.1f} ms at {ctx.bandwidth_Bps() / 1e9:.1f} GB/s")
         del engine
-    same = _first_agreeing(outputs["float32"], outputs["bfloat16"])
+    from .engine import reference_generate
+    n = len(outputs["float32"])
+    hf16, _ = reference_generate(ctx.model("bfloat16")[0], prompt, n)     # EOS ignored, as in the engine runs
+    same, hf_same = _first_agreeing(outputs["float32"], outputs["bfloat16"]), _first_agreeing(outputs["float32"], hf16)
     yield Row(section, "bf16 step speed-up over fp32, B = 1", steps["float32"] / steps["bfloat16"], "x",
-              note=f"bf16 tokens equal fp32's for the first {same} of {len(outputs['float32'])} (greedy)")
+              note=f"greedy bf16 tokens equal fp32's for the first {same} of {n}; with transformers' own bf16 "
+                   f"generate, the first {hf_same} of {n}")
 
 
 def _bench_vs_generate(ctx, section, model, tok, new_tokens: int = 32, prompt_len: int = 32):
@@ -675,13 +683,15 @@ def _bench_workload(ctx, section, model, tok, prompt_len: int = 8):
         scheds[policy] = schedule_from_engine(engines[policy], seqs, policy)
     cont, stat = scheds["continuous"], scheds["static"]
     ratio = cont.throughput_tok_s / stat.throughput_tok_s
-    common = f"64 requests, {prompt_len}-token prompts (scaled down from the source's), 8 slots, {sum(lengths):,} tokens"
+    common = (f"64 requests, {prompt_len}-token prompts (scaled down from the source's), 8 slots, "
+              f"{sum(lengths):,} tokens")
     yield Row(section, "continuous / static throughput, syllabus workload, engine", ratio, "x", ">= 1.5x", ratio >= 1.5,
               note=f"{cont.throughput_tok_s:.1f} vs {stat.throughput_tok_s:.1f} tok/s; {common}")
     lat = stat.mean_latency_s / cont.mean_latency_s
     in_slot = np.mean([s.end_s - s.start_s for s in cont.spans])
     yield Row(section, "static / continuous mean latency, syllabus workload, engine", lat, "x", ">= 5x", lat >= 5,
-              note=f"{stat.mean_latency_s:.0f} s vs {cont.mean_latency_s:.0f} s from arrival (p95 {stat.p95_latency_s:.0f} "
+              note=f"{stat.mean_latency_s:.0f} s vs {cont.mean_latency_s:.0f} s from arrival "
+                   f"(p95 {stat.p95_latency_s:.0f} "
                    f"vs {cont.p95_latency_s:.0f} s); counting continuous from admission instead: "
                    f"{stat.mean_latency_s / in_slot:.1f}x")
     engine = engines["continuous"]
@@ -691,7 +701,8 @@ def _bench_workload(ctx, section, model, tok, prompt_len: int = 8):
     yield Row(section, "peak KV bytes, paged, continuous run", paged / 2**20, "MiB",
               note=f"{per_token:,} B per token position")
     yield Row(section, "KV bytes: max-context reservation / paged peak", reserved / paged, "x",
-              note=f"reserving {prompt_len + int(max(lengths))} positions for each of 8 slots: {reserved / 2**20:.1f} MiB")
+              note=f"reserving {prompt_len + int(max(lengths))} positions for each of 8 slots: "
+                   f"{reserved / 2**20:.1f} MiB")
 
 
 def bench(ctx):

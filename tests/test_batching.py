@@ -12,13 +12,15 @@ from course_utils.batching import (StepCost, SweepPoint, decode_step_sweep, find
 REF_TOK_S = [7.0, 13.0, 25.0, 41.0, 42.0 * 1.0, 45.78, 50.0]   # flattens after 8
 
 
-def test_find_knee_is_where_doubling_stops_paying():
+def test_find_knee_is_where_doubling_stops_paying_for_good():
     b = [1, 2, 4, 8, 16, 32, 64]
     assert find_knee(b, REF_TOK_S) == 8
     ref_like = [1.0, 1.95, 3.6, 4.7, 6.0, 6.54, 6.8]              # 1 -> 16: x6.0; 16 -> 32: +9 %
     assert find_knee(b, ref_like) == 16
     assert find_knee(b, [2.0 ** i for i in range(7)]) is None     # every doubling doubles throughput
     assert find_knee([1, 4], [1.0, 1.4]) == 1                       # 1.4x over two doublings = 18 % each
+    noisy = [1.0, 1.1, 2.2, 4.4, 8.0, 8.5, 8.6]                      # a dip at 1 -> 2 does not end the search
+    assert find_knee(b, noisy) == 16
 
 
 def test_find_knee_rejects_bad_input():

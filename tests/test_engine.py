@@ -126,8 +126,10 @@ def test_static_waits_for_the_whole_batch():
     sched.schedule()
     sched.finish(seqs[0], "eos")
     batch, prefill = sched.schedule()
-    assert not prefill and batch == [seqs[1]]       # seqs[2] waits although a slot is free
+    assert not prefill and batch == [seqs[1], seqs[0]]    # seqs[0] is computed as padding; seqs[2] waits
+    assert seqs[0].block_table and bm.num_free_blocks == 64 - 2
     sched.finish(seqs[1], "eos")
+    assert bm.num_free_blocks == 64 and not sched.padding  # the batch is done: everything released at once
     batch, prefill = sched.schedule()
     assert prefill and batch == [seqs[2]] and seqs[2].batch_id == 1
 
@@ -233,6 +235,21 @@ def test_embedded_run_shared_prefixes_cached_prompts_and_preempted(embedded_run)
     assert last_prefill.num_tokens == 1 + chat0.num_prompt_tokens - chat0.num_cached_tokens
 
 
+def test_static_policy_pads_and_gives_the_same_tokens_as_continuous(tiny_qwen2):
+    prompts = _random_prompts(tiny_qwen2.config.vocab_size, 9, seed=3)
+    lengths = [1, 9, 3, 12, 5, 2, 7, 4, 11, 6, 8]
+    static = LLMEngine(tiny_qwen2, num_blocks=64, block_size=4, max_num_seqs=4, policy="static")
+    cont = LLMEngine(tiny_qwen2, num_blocks=64, block_size=4, max_num_seqs=4)
+    a = static.generate(prompts, lengths, ignore_eos=True)
+    b = cont.generate(prompts, lengths, ignore_eos=True)
+    assert [s.output_ids for s in a] == [s.output_ids for s in b]
+    assert [s.num_output_tokens for s in a] == lengths
+    assert max(s.batch_id for s in a) == 2                        # 11 requests, 4 slots: batches of 4, 4, 3
+    decode_widths = [st.num_seqs for st in static.steps if not st.is_prefill]
+    assert decode_widths[:11] == [4] * 11                         # the first batch stays 4 wide until its longest ends
+    assert static.block_manager.num_free_blocks == 64
+
+
 # ---- nothing lost ---------------------------------------------------------------------------------
 
 def test_random_workload_completes_every_request_and_frees_every_block(tiny_llama):
@@ -249,8 +266,7 @@ def test_random_workload_completes_every_request_and_frees_every_block(tiny_llam
             expected[engine.add_request(prompt, n, ignore_eos=True)] = n
             i += 1
         engine.step()
-        running = engine.scheduler.running
-        engine.block_manager.check_invariants(running)   # reference counts match block tables, never negative
+        engine.block_manager.check_invariants(engine.scheduler.live())   # counts match block tables, never negative
         step += 1
     seqs = engine.sequences
     assert len(seqs) == 220 and all(s.is_finished for s in seqs.values())

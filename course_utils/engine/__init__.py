@@ -12,6 +12,6 @@ from .model_runner import ModelRunner, RunnerWeights, StepInput
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
-__all__ = ["Agreement", "Block", "BlockManager", "LLMEngine", "ModelRunner", "RunnerWeights", "Scheduler", "Sequence", "Status",
-           "StepInput", "StepRecord", "block_hash", "check_against_generate", "compare_tokens", "eos_ids_of",
-           "reference_generate"]
+__all__ = ["Agreement", "Block", "BlockManager", "LLMEngine", "ModelRunner", "RunnerWeights", "Scheduler", "Sequence",
+           "Status", "StepInput", "StepRecord", "block_hash", "check_against_generate", "compare_tokens",
+           "eos_ids_of", "reference_generate"]

@@ -107,6 +107,8 @@ class LLMEngine:
         token_ids = self.runner.run(seqs, is_prefill)
         end_s, finished = self.now(), []
         for seq, token in zip(seqs, token_ids):
+            if seq.is_finished:                   # static padding: computed, not used
+                continue
             reason = seq.append(token)
             seq.first_token_s = end_s if seq.first_token_s is None else seq.first_token_s
             seq.spans[-1] = (seq.spans[-1][0], seq.spans[-1][1], end_s)
@@ -121,7 +123,8 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return not self.scheduler.is_finished()
 
-    def generate(self, prompts: list, max_tokens, *, ignore_eos: bool = False, progress: bool = False) -> list[Sequence]:
+    def generate(self, prompts: list, max_tokens, *, ignore_eos: bool = False,
+                 progress: bool = False) -> list[Sequence]:
         """Run requests to completion; one result per prompt, in order.
 
         ``max_tokens``: one int for all, or one per prompt. A prompt with bad input comes back

@@ -37,7 +37,7 @@ class StepInput:
     write_rows: torch.Tensor | None  # (W,) rows of the new tokens whose keys/values are stored; None = all
     write_slots: torch.Tensor    # (W,) pool slots they are stored in
     block_tables: torch.Tensor   # (S, C / block_size) block ids, padded with 0
-    attn_bias: torch.Tensor      # (S, 1, Q * g, C) 0 where a query may attend to a key position, -inf elsewhere
+    attn_bias: torch.Tensor      # (S, 1, Q * g, C) 0 where a query may attend to a key position, dtype min elsewhere
     pad_index: torch.Tensor | None  # (T,) row of each token in the padded (S * Q) layout; None when Q = 1
     last_rows: torch.Tensor      # (S,) row of each sequence's last new token
 
@@ -129,7 +129,7 @@ class ModelRunner:
         emb = torch.cat((freqs, freqs), dim=-1)                  # (positions, head_dim), as transformers does
         self.cos = (emb.cos() * rot.attention_scaling).to(self.dtype)
         sin = (emb.sin() * rot.attention_scaling).to(self.dtype)
-        half = dims.head_dim // 2                                # rotate_half(x) * sin == roll(x, half) * (sin, first half negated)
+        half = dims.head_dim // 2          # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated)
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def step_matrices(self) -> list[torch.Tensor]:
@@ -153,10 +153,12 @@ class ModelRunner:
         bs = self.block_size
         ids, pos, rows, slots, q_lens = [], [], [], [], []
         for seq in seqs:
-            n = len(seq)
-            start = min(seq.num_cached_tokens, n - 1) if is_prefill else n - 1  # a fully cached prompt reruns its last token
+            n = len(seq) - seq.is_finished    # static padding: a finished sequence reruns its last fed token
+            # a fully cached prompt still runs its last token, to get the logits of the next one
+            start = min(seq.num_cached_tokens, n - 1) if is_prefill else n - 1
+            first_write = seq.num_cached_tokens if is_prefill else n - 1
             for p in range(start, n):
-                if not is_prefill or p >= seq.num_cached_tokens:   # cached positions are not written again
+                if p >= first_write and not seq.is_finished:    # cached positions are not written again
                     rows.append(len(ids))
                     slots.append(seq.block_table[p // bs] * bs + p % bs)
                 ids.append(seq.token_ids[p])
@@ -178,7 +180,8 @@ class ModelRunner:
         dev, lt = self.device, torch.long
         return StepInput(
             input_ids=torch.tensor(ids, dtype=lt, device=dev), positions=torch.tensor(pos, dtype=lt, device=dev),
-            write_rows=None if len(rows) == len(ids) else torch.tensor(rows, dtype=lt, device=dev), write_slots=torch.tensor(slots, dtype=lt, device=dev),
+            write_rows=None if len(rows) == len(ids) else torch.tensor(rows, dtype=lt, device=dev),
+            write_slots=torch.tensor(slots, dtype=lt, device=dev),
             block_tables=torch.tensor(tables, dtype=lt, device=dev), attn_bias=bias.to(dev),
             pad_index=None if Q == 1 else torch.tensor(pad_index, dtype=lt, device=dev),
             last_rows=torch.tensor(q_lens, device=dev).cumsum(0) - 1)
@@ -191,7 +194,9 @@ class ModelRunner:
         return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: StepInput) -> torch.Tensor:
-        """Store this layer's new keys/values, then attend over each sequence's paged context. Returns (T, n_heads * head_dim)."""
+        """Store this layer's new keys/values, then attend over each sequence's paged context.
+
+        Returns (T, n_heads * head_dim)."""
         d = self.dims
         if inp.write_rows is not None:                           # skip tokens whose keys/values are cached already
             k, v = k.index_select(0, inp.write_rows), v.index_select(0, inp.write_rows)
@@ -199,7 +204,7 @@ class ModelRunner:
         self.v_slots[i].index_copy_(0, inp.write_slots, v)
         g = d.n_heads // d.n_kv_heads                            # query heads per key/value head
         S, Q, C = inp.attn_bias.shape[0], inp.attn_bias.shape[2] // g, inp.attn_bias.shape[3]
-        tables = inp.block_tables.view(-1)                        # gather whole blocks: (S * blocks, block_size * n_kv * head_dim)
+        tables = inp.block_tables.view(-1)          # gather whole blocks: (S * blocks, block_size * n_kv * head_dim)
         keys = self.k_blocks[i].index_select(0, tables).view(S, C, d.n_kv_heads, d.head_dim).transpose(1, 2)
         values = self.v_blocks[i].index_select(0, tables).view(S, C, d.n_kv_heads, d.head_dim).transpose(1, 2)
         if inp.pad_index is None:                                 # decode: one query per sequence
@@ -216,7 +221,7 @@ class ModelRunner:
         qkv = F.linear(self._rms_norm(h, w["in_norm"]), w["w_qkv"], w["b_qkv"])
         n_qk = (d.n_heads + d.n_kv_heads) * d.head_dim
         qk = qkv[:, :n_qk].view(-1, d.n_heads + d.n_kv_heads, d.head_dim)
-        qk = qk * cos + qk.roll(d.head_dim // 2, dims=-1) * sin    # rotary embedding of q and k (sin's first half negated)
+        qk = qk * cos + qk.roll(d.head_dim // 2, dims=-1) * sin    # rotary embedding of q and k at once
         v = qkv[:, n_qk:].view(-1, d.n_kv_heads, d.head_dim)
         attn = self._attention(i, qk[:, :d.n_heads], qk[:, d.n_heads:], v, inp)
         h = _add_linear(h, attn, w["w_o"], w["b_o"])

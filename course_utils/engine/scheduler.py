@@ -7,7 +7,8 @@ returns ``(seqs, is_prefill)``.
 * ``policy="continuous"``: a queued request is admitted the step a slot and its blocks
   are free (Orca, Yu et al. 2022).
 * ``policy="static"``: a new batch is admitted only when the whole previous batch has
-  finished; finished sequences release their blocks at once but their slots stay empty.
+  finished. Until then a finished sequence keeps its slot and its blocks and is still
+  computed as padding (its results are discarded), as transformers' ``generate`` does.
 
 When a decode step needs a block and none is free, the newest running sequence is
 *preempted*: its blocks are released and it goes back to the front of the queue, to be
@@ -40,6 +41,7 @@ class Scheduler:
         self.policy = policy
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.padding: list[Sequence] = []             # static policy: finished, still computed until the batch ends
         self.free_slots = list(range(max_num_seqs))   # a heap: the lowest free slot first
         self.num_batches = 0
         self.num_preemptions = 0
@@ -55,7 +57,12 @@ class Scheduler:
         admitted = self._admit()
         if admitted:
             return admitted, True
-        return self._decode_batch(), False
+        batch = self._decode_batch()
+        return (batch + self.padding if batch else []), False
+
+    def live(self) -> list[Sequence]:
+        """The sequences that hold blocks: running ones, and finished ones kept as padding."""
+        return self.running + self.padding
 
     def _admit(self) -> list[Sequence]:
         if self.policy == "static" and self.running:
@@ -90,14 +97,13 @@ class Scheduler:
         return batch
 
     def _release(self, seq: Sequence) -> None:
-        """Return the sequence's blocks and slot (under the static policy the slot stays unused
-        until the whole batch is done, because nothing is admitted before then)."""
-        self.running.remove(seq)
+        """Return the sequence's blocks and its slot."""
         self.block_manager.deallocate(seq)
         heapq.heappush(self.free_slots, seq.slot)
 
     def preempt(self, seq: Sequence) -> None:
         """Take a running sequence's blocks back and queue it first (it will recompute its cache)."""
+        self.running.remove(seq)
         self._release(seq)
         seq.status, seq.slot = Status.WAITING, None
         seq.num_preemptions += 1
@@ -105,6 +111,14 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Mark a sequence done and release its blocks and its slot."""
-        self._release(seq)
+        """Mark a sequence done; release its blocks and slot (static policy: when its whole batch is done)."""
         seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.running.remove(seq)
+        if self.policy == "continuous":
+            self._release(seq)
+            return
+        self.padding.append(seq)
+        if not self.running:
+            for done in self.padding:
+                self._release(done)
+            self.padding.clear()
