@@ -252,11 +252,13 @@ def test_static_policy_pads_and_gives_the_same_tokens_as_continuous(tiny_qwen2):
 
 # ---- nothing lost ---------------------------------------------------------------------------------
 
-def test_random_workload_completes_every_request_and_frees_every_block(tiny_llama):
+@pytest.mark.parametrize("policy, n_requests", [("continuous", 220), ("static", 60)])
+def test_random_workload_completes_every_request_and_frees_every_block(tiny_llama, policy, n_requests):
     rng = random.Random(7)
-    engine = LLMEngine(tiny_llama, num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=64)
+    engine = LLMEngine(tiny_llama, num_blocks=24, block_size=4, max_num_seqs=6, max_num_batched_tokens=64,
+                       policy=policy)
     prefixes = [[rng.randrange(128) for _ in range(8)] for _ in range(3)]
-    arrivals = sorted(rng.randrange(400) for _ in range(220))
+    arrivals = sorted(rng.randrange(2 * n_requests) for _ in range(n_requests))
     expected, step, i = {}, 0, 0
     while i < len(arrivals) or engine.has_unfinished():
         while i < len(arrivals) and arrivals[i] <= step:
@@ -269,7 +271,7 @@ def test_random_workload_completes_every_request_and_frees_every_block(tiny_llam
         engine.block_manager.check_invariants(engine.scheduler.live())   # counts match block tables, never negative
         step += 1
     seqs = engine.sequences
-    assert len(seqs) == 220 and all(s.is_finished for s in seqs.values())
+    assert len(seqs) == n_requests and all(s.is_finished for s in seqs.values())
     assert all(s.num_output_tokens == expected[k] for k, s in seqs.items())
     assert engine.block_manager.num_free_blocks == 24
     assert all(b.ref_count == 0 for b in engine.block_manager.blocks)

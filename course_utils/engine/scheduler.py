@@ -54,11 +54,14 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """The sequences to run this step and whether it is a prefill step."""
-        admitted = self._admit()
-        if admitted:
-            return admitted, True
-        batch = self._decode_batch()
-        return (batch + self.padding if batch else []), False
+        for _ in range(2):          # a second round when every running sequence was just preempted
+            admitted = self._admit()
+            if admitted:
+                return admitted, True
+            batch = self._decode_batch()
+            if batch:
+                return batch + self.padding, False
+        return [], False
 
     def live(self) -> list[Sequence]:
         """The sequences that hold blocks: running ones, and finished ones kept as padding."""
@@ -109,6 +112,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        self._end_batch_if_done()
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark a sequence done; release its blocks and slot (static policy: when its whole batch is done)."""
@@ -116,8 +120,12 @@ class Scheduler:
         self.running.remove(seq)
         if self.policy == "continuous":
             self._release(seq)
-            return
-        self.padding.append(seq)
+        else:
+            self.padding.append(seq)
+            self._end_batch_if_done()
+
+    def _end_batch_if_done(self) -> None:
+        """Static policy: once no member of the batch is running, its padding gives blocks and slots back."""
         if not self.running:
             for done in self.padding:
                 self._release(done)
