@@ -149,7 +149,7 @@ class ModelRunner:
         return 2 * d.n_layers * d.n_kv_heads * d.head_dim * self.k_pool.element_size()
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> StepInput:
-        """Flatten the sequences' new tokens and build the slot, block-table and mask tensors."""
+        """Flatten the sequences' new tokens; build the slot, block-table and attention-bias tensors."""
         bs = self.block_size
         ids, pos, rows, slots, q_lens = [], [], [], [], []
         for seq in seqs:
