@@ -375,7 +375,9 @@ def gantt_figure(static: Schedule, continuous: Schedule) -> go.Figure:
                     legendgroup="wait", showlegend=row == 1, hoverinfo="skip", row=row, col=1)
     speedup = continuous.throughput_tok_s / static.throughput_tok_s
     latency = static.mean_latency_s / continuous.mean_latency_s
-    fig.update_layout(template=TEMPLATE, barmode="overlay", height=520, hovermode="closest",
+    fig.update_layout(template=TEMPLATE, barmode="overlay", height=560, hovermode="closest",
+                      legend=dict(orientation="h", x=0, xanchor="left", y=-0.16, yanchor="top"),
+                      margin=dict(b=110),
                       title=f"{static.slots} slots: continuous batching gives {speedup:.2f}x the throughput "
                             f"and {latency:.1f}x lower mean latency")
     fig.update_yaxes(title="slot", autorange="reversed")
