@@ -314,7 +314,10 @@ def bench(ctx):
             load_model(ctx.model_name, device=ctx.device, verbose=False)
             warm_s = time.perf_counter() - t0
         finally:
-            os.environ.pop(CACHE_ENV) if old is None else os.environ.__setitem__(CACHE_ENV, old)
+            if old is None:
+                del os.environ[CACHE_ENV]
+            else:
+                os.environ[CACHE_ENV] = old
             shutil.rmtree(tmp, ignore_errors=True)
         yield Row(section, "model load, cold (GGUF conversion)", cold_s, "s")
         yield Row(section, "model load, warm (cached conversion)", warm_s, "s", "<= 3 s", warm_s <= 3.0)

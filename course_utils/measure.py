@@ -13,7 +13,6 @@ import ctypes
 import gc
 import statistics
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -22,6 +21,7 @@ import psutil
 import torch
 
 from .models import resolve_device
+from .sampling import PeakSampler
 
 
 @dataclass
@@ -152,25 +152,6 @@ class PeakMemory:
         return f"{self.peak_bytes / 2**20:,.1f} MiB peak above baseline ({self.how} on {self.device})"
 
 
-class _RssSampler(threading.Thread):
-    def __init__(self, interval_s: float, read: Callable[[], int]):
-        super().__init__(daemon=True)
-        self.interval_s, self.read = interval_s, read
-        self.peak = read()
-        self._stop_event = threading.Event()
-
-    def run(self):
-        while not self._stop_event.is_set():
-            self.peak = max(self.peak, self.read())
-            self._stop_event.wait(self.interval_s)
-
-    def stop(self) -> int:
-        self._stop_event.set()
-        self.join()
-        self.peak = max(self.peak, self.read())
-        return self.peak
-
-
 def peak_memory(fn: Callable[[], Any], *, device="cpu", interval_s: float = 0.001) -> PeakMemory:
     """Peak memory that ``fn()`` adds on ``device``.
 
@@ -198,7 +179,7 @@ def peak_memory(fn: Callable[[], Any], *, device="cpu", interval_s: float = 0.00
         read, how = rss_bytes, "process RSS, sampled"
     synchronize(dev)
     release_memory()
-    sampler = _RssSampler(interval_s, read)
+    sampler = PeakSampler(read, interval_s)
     before = sampler.peak
     sampler.start()
     try:

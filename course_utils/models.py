@@ -122,8 +122,9 @@ def gguf_file_type(path: Path) -> str | None:
         return None
 
 
-def _gguf_cache_folder(path: Path) -> Path:
-    return cache_dir() / f"{path.stem}-{file_sha256(path)[:20]}"
+def _gguf_cache_folder(path: Path, sha256: str | None = None) -> Path:
+    """The cache folder of a GGUF file: its name plus the start of its content's SHA-256."""
+    return cache_dir() / f"{path.stem}-{(sha256 or file_sha256(path))[:20]}"
 
 
 def convert_gguf(path: Path, *, verbose: bool = True) -> Path:
@@ -131,7 +132,8 @@ def convert_gguf(path: Path, *, verbose: bool = True) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = _gguf_cache_folder(path)
+    sha256 = file_sha256(path)
+    target = _gguf_cache_folder(path, sha256)
     if (target / "source.json").exists():
         return target
     if verbose:
@@ -156,7 +158,7 @@ def convert_gguf(path: Path, *, verbose: bool = True) -> Path:
             model.generation_config.save_pretrained(str(tmp))
         tok.save_pretrained(str(tmp))
         source = {"gguf_file": path.name, "gguf_file_type": gguf_file_type(path),
-                  "sha256": file_sha256(path), "converted_s": round(time.perf_counter() - t0, 1)}
+                  "sha256": sha256, "converted_s": round(time.perf_counter() - t0, 1)}
         (tmp / "source.json").write_text(json.dumps(source, indent=2))
         try:
             tmp.rename(target)

@@ -14,12 +14,13 @@ import json
 import os
 import platform
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
+
+from .sampling import PeakSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -35,32 +36,15 @@ class Result:
     error: str = ""
 
 
-class KernelRssSampler(threading.Thread):
-    """Peak RSS summed over this process's child processes (the Jupyter kernel), sampled."""
-
-    def __init__(self, interval_s: float = 0.05):
-        super().__init__(daemon=True)
-        self.interval_s, self.peak = interval_s, 0
-        self._stop_event = threading.Event()
-
-    def _sample(self) -> int:
-        total = 0
-        for child in psutil.Process().children(recursive=True):
-            try:
-                total += child.memory_info().rss
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                pass
-        return total
-
-    def run(self):
-        while not self._stop_event.is_set():
-            self.peak = max(self.peak, self._sample())
-            self._stop_event.wait(self.interval_s)
-
-    def stop(self) -> int:
-        self._stop_event.set()
-        self.join()
-        return self.peak
+def kernel_rss_bytes() -> int:
+    """RSS summed over this process's child processes (the Jupyter kernel and its children)."""
+    total = 0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            total += child.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return total
 
 
 def chapter_notebooks(only: list[str] | None = None) -> list[Path]:
@@ -82,7 +66,7 @@ def _parse_value(text: str):
 def execute(path: Path, out_dir: Path, parameters: dict, *, timeout_s: int) -> Result:
     import papermill as pm
 
-    sampler = KernelRssSampler()
+    sampler = PeakSampler(kernel_rss_bytes, interval_s=0.05)
     sampler.start()
     t0 = time.perf_counter()
     status, error = "ok", ""
