@@ -1,4 +1,4 @@
-"""Set up and run the course with nothing but Python (3.10+) installed.
+"""Set up and run the course with nothing but Python (3.11 or newer) installed.
 
     python tasks.py run   [run_all options]   install, then execute every chapter (the main job)
     python tasks.py test  [pytest options]    install, then unit tests + every notebook under nbval

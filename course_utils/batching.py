@@ -20,7 +20,10 @@ import numpy as np
 import plotly.graph_objects as go
 import torch
 
+from .engine import POLICIES, Sequence
+from .progress import progress_bar
 from .plots import PALETTE, TEMPLATE
+from .validation import check_positive_int, check_positive_ints
 
 # ---- the measured sweep ------------------------------------------------------------------------
 
@@ -45,9 +48,7 @@ class SweepPoint:
 
 
 def _check_batch_sizes(batch_sizes) -> list[int]:
-    sizes = list(batch_sizes)
-    if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in sizes):
-        raise ValueError(f"batch sizes must be positive integers, got {batch_sizes!r}")
+    sizes = check_positive_ints("batch sizes", batch_sizes)
     if sizes != sorted(set(sizes)):
         raise ValueError(f"batch sizes must be strictly increasing, got {sizes}")
     return sizes
@@ -74,8 +75,7 @@ def decode_step_sweep(model, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *, context_le
     from .kv_cache import prefill
     from .measure import time_call
     sizes = _check_batch_sizes(batch_sizes)
-    if not isinstance(context_len, int) or context_len < 1:
-        raise ValueError(f"context_len must be a positive integer, got {context_len!r}")
+    check_positive_int("context_len", context_len)
     device = model.device if device is None else torch.device(device)
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (1, context_len), generator=gen).to(model.device)
@@ -85,11 +85,7 @@ def decode_step_sweep(model, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *, context_le
     keys = [layer.keys for layer in base.layers]
     values = [layer.values for layer in base.layers]
     samples: dict[int, list[float]] = {b: [] for b in sizes}
-    rounds = range(repeats + 1)
-    if progress:
-        from tqdm.auto import tqdm
-        rounds = tqdm(rounds, desc="batch sweep (round 0 = warm-up)", unit="round")
-    for r in rounds:
+    for r in progress_bar(range(repeats + 1), "batch sweep (round 0 = warm-up)", enabled=progress, unit="round"):
         for b in sizes:
             cache = _replicated_cache(model, keys, values, b)
             step = lambda: model(first.expand(b)[:, None], cache=cache, use_cache=True)  # noqa: E731
@@ -221,7 +217,6 @@ def skewed_lengths(base: Sequence[int], skew: float) -> np.ndarray:
 
 # ---- the simulator ------------------------------------------------------------------------------
 
-POLICIES = ("static", "continuous")
 
 
 @dataclass(frozen=True)
@@ -408,25 +403,18 @@ def reserved_kv_bytes(n_seqs: int, max_context: int, kv_bytes_per_token: int) ->
     return n_seqs * max_context * kv_bytes_per_token
 
 
-def chat_prompt_ids(tok, question: str, system: str | None = None) -> list[int]:
-    """Token ids of ``question`` as one user turn in the model's chat template (after ``system``, if given),
-    ready for the assistant's answer."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
-    out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = out["input_ids"] if hasattr(out, "keys") else out
-    return [int(t) for t in ids]
-
-
 # ---- measured with the engine ------------------------------------------------------------------------
 
 
-def book_prompts(tok, n: int, length: int) -> list[list[int]]:
-    """``n`` different prompts of exactly ``length`` tokens: consecutive pieces of *Pride and Prejudice*."""
-    from .prefill_decode import book_token_ids
-    if n < 1 or length < 1:
-        raise ValueError(f"need n >= 1 and length >= 1, got {n}, {length}")
-    ids = book_token_ids(tok, n * length)[0].tolist()
-    return [ids[i * length:(i + 1) * length] for i in range(n)]
+def pool_blocks(prompt_lens: Sequence[int], max_tokens: Sequence[int], *, block_size: int, slots: int) -> int:
+    """Blocks enough for ``slots`` requests of the longest prompt + output at once (no preemption),
+    plus one spare block per slot."""
+    if not prompt_lens or len(prompt_lens) != len(max_tokens):
+        raise ValueError("need one output length per prompt, and at least one prompt")
+    check_positive_int("block_size", block_size)
+    check_positive_int("slots", slots)
+    longest = max(prompt_lens) + max(int(n) for n in max_tokens)
+    return slots * math.ceil(longest / block_size) + slots
 
 
 def schedule_from_engine(engine, seqs, policy: str) -> Schedule:
@@ -437,7 +425,7 @@ def schedule_from_engine(engine, seqs, policy: str) -> Schedule:
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    seqs = [s for s in seqs if s.error is None]
+    seqs = [s for s in seqs if isinstance(s, Sequence)]          # leave out refused requests
     if not seqs or any(s.finish_s is None for s in seqs):
         raise ValueError("every sequence must have finished")
     t0 = min(s.arrival_s for s in seqs)
@@ -462,44 +450,11 @@ def run_engine_workload(model, prompts: list[list[int]], lengths: Sequence[int],
     from .engine import LLMEngine
     if len(prompts) != len(lengths):
         raise ValueError(f"got {len(prompts)} prompts for {len(lengths)} lengths")
-    longest = max(len(p) for p in prompts) + max(lengths)
-    blocks = slots * math.ceil(longest / block_size) + slots
+    blocks = pool_blocks([len(p) for p in prompts], lengths, block_size=block_size, slots=slots)
     engine = LLMEngine(model, num_blocks=blocks, block_size=block_size, max_num_seqs=slots, policy=policy,
                        prefix_caching=False, dtype=dtype, weights=weights)
     seqs = engine.generate(prompts, [int(n) for n in lengths], ignore_eos=True, progress=progress)
     return engine, seqs
-
-
-@torch.no_grad()
-def generate_static_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' ``generate`` on one batch of equal-length prompts, greedy, EOS ignored: the new tokens."""
-    if len({len(p) for p in prompts}) != 1:
-        raise ValueError("the prompts must have equal lengths (no padding)")
-    ids = torch.tensor(prompts, device=model.device)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                         min_new_tokens=None, do_sample=False, repetition_penalty=1.0, temperature=None,
-                         top_p=None, top_k=None, eos_token_id=None, pad_token_id=0)
-    return out[:, ids.shape[1]:].tolist()
-
-
-def matvec_floor(matrices: list[torch.Tensor]) -> Callable[[], list]:
-    """A callable doing ``torch.mv`` with each matrix: what the kernels need just to read these weights once."""
-    inputs = [torch.ones(w.shape[1], dtype=w.dtype, device=w.device) for w in matrices]
-
-    @torch.no_grad()
-    def run():
-        return [torch.mv(w, x) for w, x in zip(matrices, inputs)]
-    return run
-
-
-def _first_agreeing(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two outputs share."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # ---- looking inside the paged cache ---------------------------------------------------------------------
@@ -550,194 +505,3 @@ def block_map_figure(block_tables: dict[int, list[int]], num_blocks: int) -> go.
     fig.update_xaxes(title="physical block id in the pool", range=[-1, num_blocks])
     fig.update_yaxes(title="sequence", autorange="reversed")
     return fig
-
-
-# ---- benchmark rows (python -m course_utils.bench --only 04) -------------------------------------------
-
-def _shared_weights(ctx, model, dtype: str):
-    """One fused copy of the weights per dtype for all the engines of a benchmark run."""
-    from .engine import RunnerWeights
-    return ctx.get(f"04:engine-weights:{dtype}", lambda: RunnerWeights.from_model(model, dtype))
-
-
-def _per_call_cost_s(model, device) -> float:
-    """Seconds of one engine decode step (B = 1) for a model with this one's layers and heads but tiny matrices.
-
-    The arithmetic and the bytes vanish; what is left is what every PyTorch call costs,
-    whatever its size: the floor of a Python forward pass that makes the same calls.
-    """
-    import copy
-
-    from .engine import LLMEngine
-    from .measure import time_call
-    cfg = copy.deepcopy(model.config)
-    cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size = 8 * cfg.num_attention_heads, 8, 64, 256
-    cfg.pad_token_id = cfg.bos_token_id = cfg.eos_token_id = None
-    tiny = type(model)(cfg).eval().to(model.device)
-    engine = LLMEngine(tiny, num_blocks=8, block_size=16, max_num_seqs=1, eos_token_ids=())
-    engine.add_request(list(range(64)), 40)
-    engine.step()
-    return time_call(engine.step, warmup=3, repeats=25, device=device).median_s
-
-
-def _bench_decode_step(ctx, section, model, tok):
-    """The engine's decode step at B = 1 against the matrix-vector floor and the bandwidth floor, fp32 and bf16."""
-    from .bench import Row
-    from .engine import LLMEngine
-    from .measure import time_interleaved
-    prompt = book_prompts(tok, 1, 64)[0]
-    outputs, steps = {}, {}
-    for dtype in ("float32", "bfloat16"):
-        weights = _shared_weights(ctx, model, dtype) if dtype == "float32" else None   # bf16: a copy, dropped below
-        engine = LLMEngine(model, num_blocks=8, block_size=16, max_num_seqs=1, prefix_caching=False,
-                           weights=weights, dtype=dtype)
-        engine.add_request(prompt, 40, ignore_eos=True)
-        engine.step()                                                 # the prefill
-        floor = matvec_floor(engine.runner.step_matrices())
-        t = time_interleaved({"step": engine.step, "mv": floor}, warmup=2, repeats=15, device=ctx.device)
-        while engine.has_unfinished():
-            engine.step()
-        outputs[dtype] = engine.sequences[0].output_ids
-        step_s, mv_s = t["step"].median_s, t["mv"].median_s
-        phys_s = engine.runner.step_weight_bytes() / ctx.bandwidth_Bps()
-        steps[dtype] = step_s
-        mb = engine.runner.step_weight_bytes() / 1e6
-        yield Row(section, f"engine decode step, B = 1, {dtype}", step_s * 1e3, "ms",
-                  note=f"spread ±{t['step'].spread_s * 1e3:.1f} ms; torch.mv over the same {mb:,.0f} MB of "
-                       f"weights {mv_s * 1e3:.1f} ms ({engine.runner.step_weight_bytes() / mv_s / 1e9:.1f} GB/s)")
-        if dtype == "float32":
-            calls_s = _per_call_cost_s(model, ctx.device)
-            yield Row(section, "engine step / torch.mv floor, B = 1, float32", step_s / mv_s, "x", "<= 1.15x",
-                      step_s / mv_s <= 1.15,
-                      note=f"{(step_s - mv_s) * 1e3:.1f} ms above the floor; the same step with 8-wide heads and "
-                           f"tiny matrices (per-call cost alone) takes {calls_s * 1e3:.1f} ms")
-        else:
-            yield Row(section, "engine step / torch.mv floor, B = 1, bfloat16", step_s / mv_s, "x")
-        yield Row(section, f"engine step / (weight bytes / bandwidth), {dtype}", step_s / phys_s, "x",
-                  note=f"physical floor {phys_s * 1e3:.1f} ms at {ctx.bandwidth_Bps() / 1e9:.1f} GB/s")
-        del engine
-    from .engine import reference_generate
-    n = len(outputs["float32"])
-    hf16, _ = reference_generate(ctx.model("bfloat16")[0], prompt, n)     # EOS ignored, as in the engine runs
-    same, hf_same = _first_agreeing(outputs["float32"], outputs["bfloat16"]), _first_agreeing(outputs["float32"], hf16)
-    yield Row(section, "bf16 step speed-up over fp32, B = 1", steps["float32"] / steps["bfloat16"], "x",
-              note=f"greedy bf16 tokens equal fp32's for the first {same} of {n}; with transformers' own bf16 "
-                   f"generate, the first {hf_same} of {n}")
-
-
-def _bench_vs_generate(ctx, section, model, tok, new_tokens: int = 32, prompt_len: int = 32):
-    """Engine vs ``generate`` with the same static batch: end-to-end and decode-only tokens/s."""
-    from .bench import Row
-    from .engine import LLMEngine
-    from .measure import time_call
-    for batch in (8, 16):
-        prompts = book_prompts(tok, batch, prompt_len)
-        engine = LLMEngine(model, num_blocks=batch * math.ceil((prompt_len + new_tokens) / 16), block_size=16,
-                           max_num_seqs=batch, policy="static", prefix_caching=False,
-                           weights=_shared_weights(ctx, model, "float32"))
-        fns = {("generate", 1): lambda: generate_static_batch(model, prompts, 1),
-               ("engine", 1): lambda: [s.output_ids for s in engine.generate(prompts, 1, ignore_eos=True)],
-               ("generate", new_tokens): lambda: generate_static_batch(model, prompts, new_tokens),
-               ("engine", new_tokens): lambda: [s.output_ids for s in engine.generate(prompts, new_tokens,
-                                                                                       ignore_eos=True)]}
-        fns[("generate", 1)](), fns[("engine", 1)]()                          # warm-up
-        times = {k: [] for k in fns}
-        results = {}
-        for _ in range(2):                                                   # interleaved, best of 2
-            for k, fn in fns.items():
-                t = time_call(fn, warmup=0, repeats=1, device=ctx.device)
-                times[k].append(t.min_s)
-                results[k] = t.result
-        best = {k: min(v) for k, v in times.items()}
-        same = sum(a == b for a, b in zip(results[("generate", new_tokens)], results[("engine", new_tokens)]))
-        rates = {}
-        for who in ("generate", "engine"):
-            rates[who] = (batch * new_tokens / best[(who, new_tokens)],
-                          batch * (new_tokens - 1) / max(1e-9, best[(who, new_tokens)] - best[(who, 1)]))
-        for i, what in enumerate(("end-to-end", "decode-only")):
-            ratio = rates["engine"][i] / rates["generate"][i]
-            yield Row(section, f"engine / generate {what} tokens/s, static batch B = {batch}", ratio, "x", ">= 1.5x",
-                      ratio >= 1.5, note=f"engine {rates['engine'][i]:.1f} vs generate {rates['generate'][i]:.1f} "
-                                         f"tok/s; {prompt_len}-token prompts, {new_tokens} new tokens; "
-                                         f"{same}/{batch} requests with identical tokens")
-        if batch == 16:
-            yield from _bench_vs_generate_batch(ctx, section, model, prompts, new_tokens)
-        del engine
-
-
-def _bench_vs_generate_batch(ctx, section, model, prompts, new_tokens):
-    """Engine (continuous) vs transformers' own continuous batching on the same 16 requests."""
-    from transformers import GenerationConfig
-    from transformers.utils import logging as hf_logging
-    from .bench import Row
-    from .engine import LLMEngine
-    from .measure import time_call
-    from transformers import ContinuousBatchingConfig
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    positions = len(prompts) * (max(len(p) for p in prompts) + new_tokens)
-    # its KV cache sized for these requests (left alone, it sizes the cache from the free memory)
-    cb_config = ContinuousBatchingConfig(num_blocks=positions // 256 + len(prompts), max_batch_tokens=positions)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        hf = time_call(lambda: model.generate_batch([list(p) for p in prompts], generation_config=config,
-                                                    continuous_batching_config=cb_config),
-                       warmup=0, repeats=1, device=ctx.device)
-    except Exception as exc:   # noqa: BLE001 -- report, do not hide
-        yield Row(section, f"generate_batch FAILED: {type(exc).__name__}: {exc}"[:100], float("nan"), "")
-        return
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    hf_tokens = [list(r.generated_tokens) for r in hf.result.values()]
-    engine = LLMEngine(model, num_blocks=len(prompts) * 4 + 4, block_size=16, max_num_seqs=len(prompts),
-                       prefix_caching=False, weights=_shared_weights(ctx, model, "float32"))
-    ours = time_call(lambda: engine.generate(prompts, new_tokens, ignore_eos=True), warmup=0, repeats=1,
-                     device=ctx.device)
-    n_tokens = len(prompts) * new_tokens
-    same = sum(a == s.output_ids for a, s in zip(hf_tokens, ours.result))
-    yield Row(section, "engine / generate_batch tokens/s, same 16 requests", hf.median_s / ours.median_s, "x",
-              note=f"engine {n_tokens / ours.median_s:.1f} vs transformers' continuous batching "
-                   f"{n_tokens / hf.median_s:.1f} tok/s (one call each, set-up included); {same}/16 identical")
-
-
-def _bench_workload(ctx, section, model, tok, prompt_len: int = 8):
-    """The syllabus workload through the engine under both policies, and the KV memory it needed."""
-    from .bench import Row
-    lengths = syllabus_output_lengths()
-    prompts = book_prompts(tok, len(lengths), prompt_len)
-    scheds, engines = {}, {}
-    for policy in ("continuous", "static"):
-        engines[policy], seqs = run_engine_workload(model, prompts, lengths, policy=policy, slots=8, progress=False,
-                                                    weights=_shared_weights(ctx, model, "float32"))
-        scheds[policy] = schedule_from_engine(engines[policy], seqs, policy)
-    cont, stat = scheds["continuous"], scheds["static"]
-    ratio = cont.throughput_tok_s / stat.throughput_tok_s
-    common = (f"64 requests, {prompt_len}-token prompts (scaled down from the source's), 8 slots, "
-              f"{sum(lengths):,} tokens")
-    yield Row(section, "continuous / static throughput, syllabus workload, engine", ratio, "x", ">= 1.5x", ratio >= 1.5,
-              note=f"{cont.throughput_tok_s:.1f} vs {stat.throughput_tok_s:.1f} tok/s; {common}")
-    lat = stat.mean_latency_s / cont.mean_latency_s
-    in_slot = np.mean([s.end_s - s.start_s for s in cont.spans])
-    yield Row(section, "static / continuous mean latency, syllabus workload, engine", lat, "x", ">= 5x", lat >= 5,
-              note=f"{stat.mean_latency_s:.0f} s vs {cont.mean_latency_s:.0f} s from arrival "
-                   f"(p95 {stat.p95_latency_s:.0f} "
-                   f"vs {cont.p95_latency_s:.0f} s); counting continuous from admission instead: "
-                   f"{stat.mean_latency_s / in_slot:.1f}x")
-    engine = engines["continuous"]
-    per_token = engine.runner.kv_bytes_per_token
-    paged = max(st.blocks_used for st in engine.steps) * engine.block_manager.block_size * per_token
-    reserved = reserved_kv_bytes(8, prompt_len + int(max(lengths)), per_token)
-    yield Row(section, "peak KV bytes, paged, continuous run", paged / 2**20, "MiB",
-              note=f"{per_token:,} B per token position")
-    yield Row(section, "KV bytes: max-context reservation / paged peak", reserved / paged, "x",
-              note=f"reserving {prompt_len + int(max(lengths))} positions for each of 8 slots: "
-                   f"{reserved / 2**20:.1f} MiB")
-
-
-def bench(ctx):
-    """Chapter 04 rows: the engine's decode step, engine vs generate / generate_batch, static vs continuous."""
-    section = "04 batching"
-    model, tok = ctx.model()
-    yield from _bench_decode_step(ctx, section, model, tok)
-    yield from _bench_vs_generate(ctx, section, model, tok)
-    yield from _bench_workload(ctx, section, model, tok)

@@ -24,7 +24,8 @@ import torch
 from transformers import DynamicCache
 
 from .measure import synchronize
-from .models import ModelDims, model_dims
+from .models import ModelDims
+from .validation import check_non_negative_int, check_positive_int
 
 
 def _check_generation_args(input_ids: torch.Tensor, max_new_tokens: int) -> None:
@@ -33,8 +34,7 @@ def _check_generation_args(input_ids: torch.Tensor, max_new_tokens: int) -> None
                          f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    check_positive_int("max_new_tokens", max_new_tokens)
 
 
 def _lap(device, t0: float, step_s: list | None) -> float:
@@ -203,19 +203,14 @@ def weight_macs_per_token(model) -> int:
     return total if tied else total - embed.numel()
 
 
-def _check_positive(**values) -> None:
-    for name, v in values.items():
-        if not isinstance(v, (int,)) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
-
-
 def attention_macs(n_queries: int, n_keys: int, dims: ModelDims) -> int:
     """MACs of QK^T and probs @ V for ``n_queries`` queries against ``n_keys`` keys, all layers and heads.
 
     Counts the full rectangle, as the kernels do: a causal mask hides the upper triangle
     but eager attention still computes it.
     """
-    _check_positive(n_queries=n_queries, n_keys=n_keys)
+    check_non_negative_int("n_queries", n_queries)
+    check_non_negative_int("n_keys", n_keys)
     return 2 * dims.n_layers * dims.n_heads * dims.head_dim * n_queries * n_keys
 
 
@@ -225,9 +220,8 @@ def step_macs(n_ctx: int, dims: ModelDims, weight_macs: int, *, cached: bool) ->
     cached: one token through the weights, attending to ``n_ctx`` keys  -> linear in n_ctx.
     recompute: ``n_ctx`` tokens through the weights, an n_ctx x n_ctx score matrix -> quadratic.
     """
-    _check_positive(n_ctx=n_ctx, weight_macs=weight_macs)
-    if n_ctx < 1:
-        raise ValueError(f"n_ctx must be >= 1, got {n_ctx}")
+    check_positive_int("n_ctx", n_ctx)
+    check_non_negative_int("weight_macs", weight_macs)
     if cached:
         return weight_macs + attention_macs(1, n_ctx, dims)
     return n_ctx * weight_macs + attention_macs(n_ctx, n_ctx, dims)
@@ -240,9 +234,8 @@ def generation_macs(prompt_len: int, new_tokens: int, dims: ModelDims, weight_ma
     cached: one prefill of the prompt, then ``new_tokens - 1`` one-token steps -> O(T^2).
     recompute: ``new_tokens`` full passes over a growing sequence -> O(T^3).
     """
-    _check_positive(prompt_len=prompt_len, new_tokens=new_tokens)
-    if prompt_len < 1 or new_tokens < 1:
-        raise ValueError("prompt_len and new_tokens must be >= 1")
+    check_positive_int("prompt_len", prompt_len)
+    check_positive_int("new_tokens", new_tokens)
     if not cached:
         return sum(step_macs(prompt_len + t, dims, weight_macs, cached=False) for t in range(new_tokens))
     total = prompt_len * weight_macs + attention_macs(prompt_len, prompt_len, dims)
@@ -251,14 +244,9 @@ def generation_macs(prompt_len: int, new_tokens: int, dims: ModelDims, weight_ma
 
 def score_bytes(n_ctx: int, *, cached: bool, bytes_per_element: int = 4) -> int:
     """Bytes of one head's attention scores at one step: n x n (recompute) or 1 x n (cached)."""
-    _check_positive(n_ctx=n_ctx, bytes_per_element=bytes_per_element)
+    check_positive_int("n_ctx", n_ctx)
+    check_positive_int("bytes_per_element", bytes_per_element)
     return (1 if cached else n_ctx) * n_ctx * bytes_per_element
-
-
-def kv_cache_bytes(n_ctx: int, dims: ModelDims, *, bytes_per_element: int = 4) -> int:
-    """Bytes of the KV cache for ``n_ctx`` tokens of one sequence: 2 x layers x kv_heads x head_dim each."""
-    _check_positive(n_ctx=n_ctx, bytes_per_element=bytes_per_element)
-    return 2 * dims.n_layers * dims.n_kv_heads * dims.head_dim * n_ctx * bytes_per_element
 
 
 def macs_bytes_table(n_ctx: int, dims: ModelDims, weight_macs: int, *, bytes_per_element: int = 4) -> dict:
@@ -268,8 +256,7 @@ def macs_bytes_table(n_ctx: int, dims: ModelDims, weight_macs: int, *, bytes_per
                           "KV cache": step_macs(n_ctx, dims, weight_macs, cached=True)},
         "score bytes per head": {"recompute": score_bytes(n_ctx, cached=False, bytes_per_element=bytes_per_element),
                                  "KV cache": score_bytes(n_ctx, cached=True, bytes_per_element=bytes_per_element)},
-        "KV cache bytes held": {"recompute": 0,
-                                "KV cache": kv_cache_bytes(n_ctx, dims, bytes_per_element=bytes_per_element)},
+        "KV cache bytes held": {"recompute": 0, "KV cache": dims.kv_elements_per_token * n_ctx * bytes_per_element},
     }
 
 
@@ -287,56 +274,3 @@ def macs_bytes_figure(n_ctx: int, dims: ModelDims, weight_macs: int, *, bytes_pe
                      log_y=True, text_format=".3s")
     fig.update_traces(textposition="outside", cliponaxis=False)
     return fig
-
-
-# --- benchmark rows (python -m course_utils.bench) ------------------------------------------------
-
-def bench(ctx):
-    """Load times, cached vs recomputed generation, decode step vs the bandwidth bound."""
-    import os
-    import shutil
-    import tempfile
-
-    from .bench import Row
-    from .measure import time_call
-    from .models import CACHE_ENV, load_model, weight_bytes
-
-    section = "01 KV cache"
-    model, tok = ctx.model()
-    if model.course_info.get("kind") == "gguf":
-        tmp, old = tempfile.mkdtemp(prefix="course-cold-"), os.environ.get(CACHE_ENV)
-        os.environ[CACHE_ENV] = tmp
-        try:
-            t0 = time.perf_counter()
-            load_model(ctx.model_name, device=ctx.device, verbose=False)
-            cold_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            load_model(ctx.model_name, device=ctx.device, verbose=False)
-            warm_s = time.perf_counter() - t0
-        finally:
-            if old is None:
-                del os.environ[CACHE_ENV]
-            else:
-                os.environ[CACHE_ENV] = old
-            shutil.rmtree(tmp, ignore_errors=True)
-        yield Row(section, "model load, cold (GGUF conversion)", cold_s, "s")
-        yield Row(section, "model load, warm (cached conversion)", warm_s, "s", "<= 3 s", warm_s <= 3.0)
-    prompt = tok("The history of the printing press begins", return_tensors="pt").input_ids.to(model.device)
-    for n_new in (32, 128):
-        cached_s = time_call(lambda: greedy_cached(model, prompt, n_new), warmup=1, repeats=3,
-                             device=ctx.device).median_s
-        t0 = time.perf_counter()
-        slow = greedy_recompute(model, prompt, n_new)
-        recompute_s = time.perf_counter() - t0
-        same = torch.equal(slow, greedy_cached(model, prompt, n_new))
-        yield Row(section, f"recompute / cached wall time, {n_new} new tokens", recompute_s / cached_s, "x",
-                  note=f"cached {cached_s:.2f} s, recompute {recompute_s:.2f} s, tokens identical: {same}")
-    cache = DynamicCache(config=model.config)
-    first = prefill(model, prompt, cache).argmax(-1, keepdim=True)
-    step = time_call(lambda: decode_one_token(model, first, cache), warmup=2, repeats=10, device=ctx.device)
-    # each timed call appends one position; the extra positions do not change the step's cost measurably
-    floor_s = weight_bytes(model) / ctx.bandwidth_Bps()
-    yield Row(section, "memory read bandwidth", ctx.bandwidth_Bps() / 1e9, "GB/s")
-    yield Row(section, "decode step (batch 1), median", step.median_s * 1e3, "ms")
-    yield Row(section, "decode step / (weight bytes / bandwidth)", step.median_s / floor_s, "x",
-              note=f"floor {floor_s * 1e3:.1f} ms for {weight_bytes(model) / 1e6:.0f} MB")

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from .measure import time_interleaved
-from .quantize import Scheme, qmax, quantize
+from .progress import progress_bar
+from .quantize import Scheme, qmax, quantize, relative_error
 
 INT4_GROUP_SIZES = (128, 64, 32)        # what the int4 kernels accept, largest (cheapest) first
 
@@ -114,7 +115,7 @@ def _try(name: str, unavailable: dict, fn: Callable):
 
 
 @torch.no_grad()
-def build_forms(weights: list[torch.Tensor], device="cpu", *, progress=None) -> MatmulForms:
+def build_forms(weights: list[torch.Tensor], device="cpu", *, progress: bool = False) -> MatmulForms:
     """Make bf16, int8 and int4 forms of ``weights`` (2-D, each (out, in)) on ``device``.
 
     The fp32 list holds the given tensors (no copy). The int8 de-quantised weights are kept
@@ -125,8 +126,7 @@ def build_forms(weights: list[torch.Tensor], device="cpu", *, progress=None) -> 
         raise ValueError("weights must be a non-empty list of 2-D (out_features, in_features) tensors")
     dev = torch.device(device)
     forms = MatmulForms(dev, [w.detach().to(dev, torch.float32) for w in weights])
-    it = progress(forms.fp32, desc="packing") if progress else forms.fp32
-    for i, w in enumerate(it):
+    for i, w in enumerate(progress_bar(forms.fp32, "packing", enabled=progress)):
         forms.bf16.append(w.bfloat16())
         codes8, scales8, w_hat8 = int8_pack(w)
         forms.int8.append((codes8, scales8))
@@ -169,10 +169,6 @@ def matmul_passes(forms: MatmulForms) -> dict[str, Callable[[], list]]:
     return passes
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 @torch.no_grad()
 def check_passes(forms: MatmulForms, passes: dict[str, Callable]) -> dict[str, float]:
     """Relative error of each pass's first output against its exact reference, in float32.
@@ -194,7 +190,7 @@ def check_passes(forms: MatmulForms, passes: dict[str, Callable]) -> dict[str, f
             passes.pop(name)
             continue
         key = "int4" if name.startswith("int4") else "int8" if name.startswith(("int8", "naive")) else "w"
-        errors[name] = _rel(out, ref[key])
+        errors[name] = relative_error(ref[key], out)
     return errors
 
 
@@ -218,7 +214,8 @@ class MatmulTimings:
         return {k: v / self.median_s["fp32"] for k, v in self.median_s.items()}
 
 
-def time_matmuls(weights: list[torch.Tensor], device="cpu", *, repeats: int = 5, progress=None) -> MatmulTimings:
+def time_matmuls(weights: list[torch.Tensor], device="cpu", *, repeats: int = 5,
+                 progress: bool = False) -> MatmulTimings:
     """Build every form of ``weights``, check each kernel, and time all of them interleaved."""
     forms = build_forms(weights, device, progress=progress)
     passes = matmul_passes(forms)
@@ -229,20 +226,3 @@ def time_matmuls(weights: list[torch.Tensor], device="cpu", *, repeats: int = 5,
     timings = time_interleaved(passes, warmup=1, repeats=repeats, device=device)
     return MatmulTimings({k: t.median_s for k, t in timings.items()}, {k: t.spread_s for k, t in timings.items()},
                          errors, forms.bytes_per_form(), dict(forms.unavailable), len(weights))
-
-
-def bench_rows(ctx, section: str):
-    """Rows for ``python -m course_utils.bench``: each precision's matmul time relative to fp32."""
-    from .bench import Row
-    from .quantize import projection_modules
-
-    model, _ = ctx.model()
-    weights = [m.weight for m in projection_modules(model).values()]
-    res = time_matmuls(weights, ctx.device)
-    for name, ratio in res.relative_to_fp32().items():
-        yield Row(section, f"matmul time / fp32: {name}", ratio, "x",
-                  note=f"{res.median_s[name] * 1e3:.1f} ms for {res.n_matrices} matrices; rel. error "
-                       f"{res.errors.get(name, float('nan')):.1e}")
-    if res.unavailable:
-        yield Row(section, "matmul kernels not available on this device", len(res.unavailable), "kernels",
-                  note="; ".join(f"{k}: {v}" for k, v in res.unavailable.items())[:200])

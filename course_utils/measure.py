@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from .models import resolve_device
-from .sampling import PeakSampler
+from .peak_rss import PeakSampler
 
 
 @dataclass

@@ -33,14 +33,10 @@ from pathlib import Path
 import torch
 
 from .models import model_dims
+from .validation import check_non_negative_int, check_positive_int
 
 GIB = 2**30
 SHAPES_FILE = Path(__file__).resolve().parent / "data" / "model_shapes.json"
-
-
-def _check_count(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 def _check_amount(name: str, value, *, allow_zero: bool = False) -> Fraction:
@@ -60,10 +56,9 @@ def quantized_bits(bits: int, group_size: int, *, scale_bits: int = 16, zero_poi
     point per group adds another ``16 / group_size``.
     """
     for name, value in (("bits", bits), ("group_size", group_size)):
-        _check_count(name, value)
-    for name, value in (("scale_bits", scale_bits), ("zero_point_bits", zero_point_bits)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        check_positive_int(name, value)
+    check_non_negative_int("scale_bits", scale_bits)
+    check_non_negative_int("zero_point_bits", zero_point_bits)
     return bits + (scale_bits + zero_point_bits) / group_size
 
 
@@ -110,9 +105,8 @@ def weight_bits_per_element(precision) -> float:
 
 
 def kv_elements_per_token(config) -> int:
-    """Numbers cached per token: 2 (K and V) x layers x kv_heads x head_dim."""
-    dims = model_dims(config)
-    return 2 * dims.n_layers * dims.n_kv_heads * dims.head_dim
+    """Numbers cached per token: 2 (K and V) x layers x kv_heads x head_dim (:attr:`ModelDims.kv_elements_per_token`)."""
+    return model_dims(config).kv_elements_per_token
 
 
 def _kv_bytes_per_token(config, precision) -> Fraction:
@@ -134,14 +128,14 @@ def kv_cache_bytes(config, n_tokens: int, dtype="fp16", *, users: int = 1) -> in
 
     Only the total number of resident tokens (``users * n_tokens``) matters.
     """
-    _check_count("n_tokens", n_tokens)
-    _check_count("users", users)
+    check_positive_int("n_tokens", n_tokens)
+    check_positive_int("users", users)
     return _exact(_kv_bytes_per_token(config, dtype) * n_tokens * users)
 
 
 def with_kv_heads(config, n_kv_heads: int) -> dict:
     """The same shape as ``config`` as a dict, but with ``n_kv_heads`` key-value heads (MHA/GQA/MQA)."""
-    _check_count("n_kv_heads", n_kv_heads)
+    check_positive_int("n_kv_heads", n_kv_heads)
     dims = model_dims(config)
     shape = {"num_hidden_layers": dims.n_layers, "num_attention_heads": dims.n_heads,
              "num_key_value_heads": n_kv_heads, "head_dim": dims.head_dim, "hidden_size": dims.d_model}
@@ -159,7 +153,7 @@ def attention_variants(config, dtype="fp16") -> dict[str, tuple[int, int | float
     return {label: (h, kv_bytes_per_token(with_kv_heads(config, h), dtype)) for label, h in heads.items()}
 
 
-def weights_bytes(n_params, precision="fp16") -> int | float:
+def weight_bytes_at(n_params, precision="fp16") -> int | float:
     """Bytes of ``n_params`` weights stored at ``precision`` (see :data:`WEIGHT_BITS`)."""
     return _exact(_check_amount("n_params", n_params) * _bits(precision, WEIGHT_BITS) / 8)
 
@@ -202,7 +196,7 @@ def fit(memory_gib, config, *, n_params=None, weight_precision="fp16", kv_precis
     """
     memory = _check_amount("memory_gib", memory_gib) * GIB
     overhead = _check_amount("overhead_gib", overhead_gib, allow_zero=True) * GIB
-    _check_count("users", users)
+    check_positive_int("users", users)
     weights = _check_amount("n_params", _n_params_of(config, n_params)) * _bits(weight_precision, WEIGHT_BITS) / 8
     per_token = _kv_bytes_per_token(config, kv_precision)
     free = memory - overhead - weights
@@ -273,8 +267,8 @@ def measured_cache_bytes(model, batch_size: int, n_tokens: int, *, seed: int = 0
 
     from .kv_cache import cache_nbytes, prefill
 
-    _check_count("batch_size", batch_size)
-    _check_count("n_tokens", n_tokens)
+    check_positive_int("batch_size", batch_size)
+    check_positive_int("n_tokens", n_tokens)
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch_size, n_tokens), generator=gen).to(model.device)
@@ -328,20 +322,3 @@ def fit_figure(memory_gib, model: str, weight_precision: str, kv_precision: str,
     fig.update_xaxes(title="concurrent users", type="log", row=1, col=2)
     fig.update_yaxes(title="tokens of context per user", type="log", row=1, col=2)
     return fig
-
-
-# --- benchmark rows (python -m course_utils.bench) ------------------------------------------------
-
-def bench(ctx):
-    """The formula against the bytes the cache tensors hold, in float32 and bfloat16."""
-    from .bench import Row
-
-    section = "03 KV-cache memory"
-    for dtype in ("float32", "bfloat16"):
-        model, _ = ctx.model(dtype)
-        batch, n_tokens = 2, 295
-        measured = measured_cache_bytes(model, batch, n_tokens)
-        formula = kv_cache_bytes(model.config, n_tokens, model.dtype, users=batch)
-        yield Row(section, f"KV cache bytes/token, measured ({dtype})", measured / (batch * n_tokens), "B",
-                  "= formula", measured == formula, note=f"{measured:,} B held for {batch} x {n_tokens} tokens; "
-                                                        f"formula {formula:,} B")

@@ -277,6 +277,11 @@ class ModelDims:
     d_ff: int | None = None
     vocab_size: int | None = None
 
+    @property
+    def kv_elements_per_token(self) -> int:
+        """Numbers the KV cache keeps per token of one sequence: 2 (K and V) x layers x kv_heads x head_dim."""
+        return 2 * self.n_layers * self.n_kv_heads * self.head_dim
+
 
 _ALIASES = {
     "n_layers": ("num_hidden_layers", "n_layer", "num_layers"),
@@ -298,13 +303,15 @@ def _config_get(cfg, names):
 
 
 def model_dims(config) -> ModelDims:
-    """Shape facts from a transformers config object or a plain dict (chapter 01, used by 03).
+    """Shape facts from a transformers config object, a plain dict or a :class:`ModelDims` (chapter 01, used by 03).
 
     Follows transformers' defaults where a field is absent: no ``num_key_value_heads``
     means multi-head attention (as many KV heads as query heads); no ``head_dim`` means
     ``hidden_size // num_attention_heads``. A field that cannot be derived raises a
     ``ValueError`` naming it.
     """
+    if isinstance(config, ModelDims):
+        return config
     if not isinstance(config, dict):
         if hasattr(config, "get_text_config"):
             config = config.get_text_config()

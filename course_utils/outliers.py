@@ -4,8 +4,8 @@
   model is not changed); :func:`dim_max` reduces it to the largest |h| each dimension
   reaches per layer; :func:`outlier_dims` and :func:`outlier_span` find the dimensions
   that stand out and the layers where they do.
-* :func:`int8_codes` / :func:`levels_used` show what one tensor-wide INT8 scale does to
-  the ordinary dimensions when one dimension sets it.
+* :func:`int8_codes` with chapter 05's :func:`~course_utils.quantize.count_levels` shows what
+  one tensor-wide INT8 scale does to the ordinary dimensions when one dimension sets it.
 * The fixes, each measured as the output error of a real projection fed with the
   activations captured from the model (:func:`capture_projection_inputs`):
   per-token and per-channel scales (:func:`w8a8_output`), LLM.int8's mixed-precision
@@ -21,19 +21,10 @@ import math
 
 import torch
 
-from .quantize import capture_inputs, projection_modules
+from .hooks import capture_inputs, decoder_layers, projection_modules
 
 
 # --- recording the residual stream --------------------------------------------------------------
-
-def decoder_layers(model) -> torch.nn.ModuleList:
-    """The model's list of decoder layers: the ModuleList as long as ``config.num_hidden_layers``."""
-    n = getattr(model.config, "num_hidden_layers", None)
-    for module in model.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
-            return module
-    raise ValueError("could not find the decoder layers (a ModuleList of num_hidden_layers modules)")
-
 
 @torch.no_grad()
 def residual_stream(model, input_ids: torch.Tensor) -> torch.Tensor:
@@ -112,13 +103,6 @@ def int8_codes(x: torch.Tensor, scale: float) -> torch.Tensor:
     if not scale > 0:
         raise ValueError(f"scale must be positive, got {scale}")
     return (x / scale).round().clamp(-128, 127).to(torch.int16)
-
-
-def levels_used(x: torch.Tensor, scale: float) -> tuple[int, torch.Tensor]:
-    """Distinct INT8 codes of ``x`` (n_tokens, d) with one scale: overall, and per dimension (d,)."""
-    codes = int8_codes(x, scale)
-    per_dim = torch.tensor([codes[:, j].unique().numel() for j in range(codes.shape[1])])
-    return int(codes.unique().numel()), per_dim
 
 
 # --- the fixes, each on a real projection ------------------------------------------------------
@@ -309,36 +293,3 @@ def percentile_dims(maxima_row: torch.Tensor, percentiles=(90, 50, 10)) -> list[
     order = maxima_row.argsort()
     n = order.numel()
     return [int(order[min(n - 1, max(0, math.floor(p / 100 * n)))]) for p in percentiles]
-
-
-# --- benchmark rows (python -m course_utils.bench) --------------------------------------------
-
-BENCH_PROMPT = ("The old lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a tin of oil "
-                "and a cloth for the lens. He had done this for thirty-one years, through winter storms that shook "
-                "the tower and calm summer nights when the sea lay flat as glass.")
-
-
-def bench(ctx):
-    """Recording time, how far the top residual dimension stands out, and the fixes' errors."""
-    import time
-
-    from .bench import Row
-
-    section = "06 activation outliers"
-    model, tok = ctx.model()
-    ids = tok(BENCH_PROMPT, return_tensors="pt").input_ids
-    t0 = time.perf_counter()
-    h = residual_stream(model, ids)
-    yield Row(section, "record the residual stream (hooks, one forward)", time.perf_counter() - t0, "s",
-              note=f"{h.shape[0]} layers x {h.shape[1]} tokens x {h.shape[2]} dims")
-    maxima = dim_max(h)
-    top = outlier_dims(maxima, 1)[0]
-    yield Row(section, "top residual dimension's max / median dimension's max", (maxima[:, top].max() /
-              maxima.median(dim=1).values.max()).item(), "x", note=f"dimension {top}")
-    inputs = capture_projection_inputs(model, ids)
-    for role, name in pick_layers(inputs).items():
-        w = dict(model.named_modules())[name].weight.detach().float().cpu()
-        errs = fix_errors(inputs[name], w)
-        yield Row(section, f"per-tensor / per-token INT8 error, {role}", errs["activations per-tensor"] /
-                  errs["activations per-token"], "x", note=f"{short_name(name)}: " + ", ".join(
-                      f"{k.split(',')[0]} {v:.4f}" for k, v in errs.items())[:160])

@@ -4,7 +4,8 @@
   products, so the cost *per token* falls as P grows (:func:`prefill_sweep`).
 * Decode feeds one token against a cache of C tokens: a matrix-vector product per weight
   matrix, so every step reads all the weights to produce one vector, and the step barely
-  depends on C (:func:`decode_sweep`). Its floor is ``weight_bytes / bandwidth``.
+  depends on C (:func:`decode_sweep`). Its floor is the bytes it must read over the bandwidth
+  (:func:`decode_step_bytes`, :func:`decode_floor_s`).
 
 The serving metrics are computed from the arrival times of a streamed generation, with the
 definitions serving benchmarks (vLLM's ``benchmarks/serve.py``) use:
@@ -21,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -29,30 +31,10 @@ from transformers.generation.streamers import BaseStreamer
 
 from .kv_cache import decode_one_token, prefill
 from .measure import Timing, synchronize, time_call
-
-
-def _check_count(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-# --- prompts ------------------------------------------------------------------------------------
-
-def book_token_ids(tokenizer, n_tokens: int, *, device="cpu", text: str = "pride_and_prejudice") -> torch.Tensor:
-    """The first ``n_tokens`` tokens of a shipped public-domain text, as a (1, n_tokens) tensor.
-
-    Real prose rather than random ids, so every prompt length is an ordinary prompt.
-    """
-    from .data import load_text
-
-    _check_count("n_tokens", n_tokens)
-    body = load_text(text)
-    ids = tokenizer(body[: 8 * n_tokens + 1000], add_special_tokens=False, return_tensors="pt").input_ids
-    if ids.shape[1] < n_tokens:
-        ids = tokenizer(body, add_special_tokens=False, return_tensors="pt").input_ids
-    if ids.shape[1] < n_tokens:
-        raise ValueError(f"the text {text!r} has only {ids.shape[1]} tokens; asked for {n_tokens}")
-    return ids[:, :n_tokens].to(device)
+from .models import model_dims
+from .progress import progress_bar
+from .prompts import chat_prompt_ids
+from .validation import check_non_negative_int, check_positive_int
 
 
 # --- timing the two phases ----------------------------------------------------------------------
@@ -76,9 +58,9 @@ class PhasePoint:
 
 def repeats_for(n_tokens: int, *, repeats: int, token_budget: int) -> int:
     """Fewer repeats for long prompts: at most ``token_budget`` tokens timed per size, at least 1 run."""
-    _check_count("n_tokens", n_tokens)
-    _check_count("repeats", repeats)
-    _check_count("token_budget", token_budget)
+    check_positive_int("n_tokens", n_tokens)
+    check_positive_int("repeats", repeats)
+    check_positive_int("token_budget", token_budget)
     return max(1, min(repeats, token_budget // n_tokens))
 
 
@@ -104,13 +86,8 @@ def time_decode_step(model, cache: DynamicCache, token_ids: torch.Tensor, *, war
     return time_call(step, warmup=warmup, repeats=repeats, device=device)
 
 
-def _progress(items, desc: str):
-    from tqdm.auto import tqdm
-    return tqdm(items, desc=desc, leave=False)
-
-
 def prefill_sweep(model, input_ids: torch.Tensor, lengths, *, repeats: int = 3, token_budget: int = 2048,
-                  device="cpu") -> list[PhasePoint]:
+                  device="cpu", progress: bool = True) -> list[PhasePoint]:
     """Time the prefill of the first P tokens of ``input_ids`` (1, >= max P) for each P in ``lengths``.
 
     Each length gets ``repeats`` runs, fewer for long prompts (:func:`repeats_for`); the first
@@ -120,7 +97,7 @@ def prefill_sweep(model, input_ids: torch.Tensor, lengths, *, repeats: int = 3, 
     if not lengths or lengths[-1] > input_ids.shape[1]:
         raise ValueError(f"lengths must be non-empty and at most {input_ids.shape[1]} (the tokens given)")
     points = []
-    for i, p in enumerate(_progress(lengths, "prefill sweep")):
+    for i, p in enumerate(progress_bar(lengths, "prefill sweep", enabled=progress)):
         t = time_prefill(model, input_ids[:, :p], warmup=1 if i == 0 else 0,
                          repeats=repeats_for(p, repeats=repeats, token_budget=token_budget), device=device)
         t.result = None                      # do not keep the caches alive
@@ -128,7 +105,8 @@ def prefill_sweep(model, input_ids: torch.Tensor, lengths, *, repeats: int = 3, 
     return points
 
 
-def decode_sweep(model, input_ids: torch.Tensor, lengths, *, repeats: int = 5, device="cpu") -> list[PhasePoint]:
+def decode_sweep(model, input_ids: torch.Tensor, lengths, *, repeats: int = 5, device="cpu",
+                 progress: bool = True) -> list[PhasePoint]:
     """Time one decode step against caches of C tokens, for each C in ``lengths``.
 
     The longest cache is prefilled once and cropped down to each shorter length; the first
@@ -140,7 +118,7 @@ def decode_sweep(model, input_ids: torch.Tensor, lengths, *, repeats: int = 5, d
     cache = DynamicCache(config=model.config)
     prefill(model, input_ids[:, : lengths[-1]], cache)
     points = []
-    for i, c in enumerate(_progress(lengths[::-1], "decode sweep")):
+    for i, c in enumerate(progress_bar(lengths[::-1], "decode sweep", enabled=progress)):
         cache.crop(c - cache.get_seq_length())          # a negative count: tokens to drop
         token = input_ids[:, c:c + 1]
         timing = time_decode_step(model, cache, token, warmup=1 if i == 0 else 0, repeats=repeats, device=device)
@@ -148,25 +126,61 @@ def decode_sweep(model, input_ids: torch.Tensor, lengths, *, repeats: int = 5, d
     return points[::-1]
 
 
-def weight_matvec_s(model, *, repeats: int = 5, device="cpu") -> Timing:
-    """Seconds to multiply one vector by every 2-D weight matrix of the model (no attention, no Python layers).
+def step_weight_matrices(model) -> list[torch.Tensor]:
+    """The weight matrices a decode step multiplies one vector by: every 2-D parameter, each once,
+    except the input embedding table (a lookup reads one row of it), unless it is tied to the LM head."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight.data_ptr() == embed.data_ptr()
+    seen, out = set(), []
+    for p in model.parameters():
+        if p.dim() != 2 or p.data_ptr() in seen or (p is embed and not tied):
+            continue
+        seen.add(p.data_ptr())
+        out.append(p)
+    return out
 
-    What the framework's own kernels need just to read the weights once, as a decode step must.
+
+def decode_step_bytes(model, context_tokens: int = 0, *, batch: int = 1) -> int:
+    """Bytes one decode step must read from memory at least (chapter 02).
+
+    The weight matrices once (:func:`step_weight_matrices`), every norm and bias vector, one
+    embedding row per sequence (when the table is not the LM head), and the keys and values of
+    ``context_tokens`` cached positions of each of the ``batch`` sequences.
     """
-    weights = [p for p in model.parameters() if p.dim() == 2]
-    inputs = [torch.ones(1, w.shape[1], dtype=w.dtype, device=w.device) for w in weights]
+    check_non_negative_int("context_tokens", context_tokens)
+    check_positive_int("batch", batch)
+    matrices = step_weight_matrices(model)
+    embed = model.get_input_embeddings().weight
+    vectors = [p for p in model.parameters() if p.dim() == 1]
+    rows = 0 if any(m.data_ptr() == embed.data_ptr() for m in matrices) else batch * embed.shape[1] * embed.element_size()
+    kv = batch * context_tokens * model_dims(model.config).kv_elements_per_token * embed.element_size()
+    return sum(p.nbytes for p in matrices + vectors) + rows + kv
+
+
+def matvec_pass(matrices: list[torch.Tensor]) -> Callable[[], list]:
+    """A callable doing ``torch.mv`` with each matrix: what the kernels need just to read these weights once."""
+    inputs = [torch.ones(w.shape[1], dtype=w.dtype, device=w.device) for w in matrices]
 
     @torch.no_grad()
     def run():
-        return [x @ w.T for x, w in zip(inputs, weights)]
-    return time_call(run, warmup=1, repeats=repeats, device=device)
+        return [torch.mv(w, x) for w, x in zip(matrices, inputs)]
+    return run
 
 
-def decode_floor_s(weight_bytes: int, bandwidth_Bps: float) -> float:
-    """Lower bound of a decode step: every weight byte crosses the memory bus once."""
-    if weight_bytes <= 0 or not bandwidth_Bps > 0:
-        raise ValueError(f"weight_bytes and bandwidth_Bps must be positive, got {weight_bytes}, {bandwidth_Bps}")
-    return weight_bytes / bandwidth_Bps
+def weight_matvec_s(model, *, repeats: int = 5, device="cpu") -> Timing:
+    """Seconds to multiply one vector by every weight matrix a decode step reads (no attention, no Python layers).
+
+    What the framework's own kernels need just to read the weights once, as a decode step must.
+    """
+    return time_call(matvec_pass(step_weight_matrices(model)), warmup=1, repeats=repeats, device=device)
+
+
+def decode_floor_s(bytes_read: int, bandwidth_Bps: float) -> float:
+    """Lower bound of a decode step: every byte it must read (:func:`decode_step_bytes`) crosses the memory bus once."""
+    if bytes_read <= 0 or not bandwidth_Bps > 0:
+        raise ValueError(f"bytes_read and bandwidth_Bps must be positive, got {bytes_read}, {bandwidth_Bps}")
+    return bytes_read / bandwidth_Bps
 
 
 # --- a real streamed generation -----------------------------------------------------------------
@@ -210,17 +224,6 @@ class StreamRecord:
     text: str = ""
 
 
-def chat_input_ids(tokenizer, user_message: str, *, device="cpu") -> torch.Tensor:
-    """Token ids (1, n) of one user message in the model's chat template (plain text if it has none)."""
-    if getattr(tokenizer, "chat_template", None):
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": user_message}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)
-        ids = enc["input_ids"]
-    else:
-        ids = tokenizer(user_message, return_tensors="pt").input_ids
-    return ids.to(device)
-
-
 @torch.no_grad()
 def stream_generate(model, tokenizer, user_message: str, max_new_tokens: int) -> StreamRecord:
     """Send one chat request to ``model.generate`` (greedy) and time every token as it is produced.
@@ -229,11 +232,11 @@ def stream_generate(model, tokenizer, user_message: str, max_new_tokens: int) ->
     arrives. Exactly ``max_new_tokens`` tokens are generated (end-of-sequence is held off),
     so runs are comparable.
     """
-    _check_count("max_new_tokens", max_new_tokens)
+    check_positive_int("max_new_tokens", max_new_tokens)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     synchronize(model.device)
     t0 = time.perf_counter()
-    ids = chat_input_ids(tokenizer, user_message, device=model.device)
+    ids = torch.tensor([chat_prompt_ids(tokenizer, user_message)], device=model.device)
     clock = TokenClock(t0)
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                    min_new_tokens=max_new_tokens, do_sample=False, streamer=clock, pad_token_id=pad_id)
@@ -328,7 +331,7 @@ def stream_metrics(arrival_s, end_s: float | None = None) -> StreamMetrics:
 
 def predicted_latency_s(ttft: float, tpot: float, new_tokens: int) -> float:
     """End-to-end latency of ``new_tokens`` tokens: TTFT + (new_tokens - 1) x TPOT."""
-    _check_count("new_tokens", new_tokens)
+    check_positive_int("new_tokens", new_tokens)
     if not (ttft >= 0 and tpot >= 0 and math.isfinite(ttft) and math.isfinite(tpot)):
         raise ValueError(f"ttft and tpot must be finite and >= 0, got {ttft!r}, {tpot!r}")
     return ttft + (new_tokens - 1) * tpot
@@ -369,26 +372,3 @@ def latency_figure(prompt_tokens: int, new_tokens: int, *, prefill_s: dict[int, 
     fig.update_yaxes(title="prefill time (s)", row=1, col=1)
     fig.update_yaxes(title="seconds", row=1, col=2)
     return fig
-
-
-# --- benchmark rows (python -m course_utils.bench) ------------------------------------------------
-
-def bench(ctx):
-    """Prefill cost per token, decode step vs cache length, bandwidth and the decode floor."""
-    from .bench import Row
-    from .models import weight_bytes
-
-    section = "02 prefill vs decode"
-    model, tok = ctx.model()
-    ids = book_token_ids(tok, 1025, device=model.device)
-    for point in prefill_sweep(model, ids, [16, 256, 1024], repeats=3, token_budget=2048, device=ctx.device):
-        yield Row(section, f"prefill per token, P = {point.n_tokens}", point.per_token_s * 1e3, "ms",
-                  note=f"{point.median_s * 1e3:,.0f} ms for the whole prompt, {len(point.timing.samples_s)} runs")
-    steps = decode_sweep(model, ids, [16, 256, 1024], repeats=5, device=ctx.device)
-    for point in steps:
-        yield Row(section, f"decode step, C = {point.n_tokens} cached tokens", point.median_s * 1e3, "ms",
-                  note=f"spread ±{point.timing.spread_s * 1e3:.1f} ms")
-    floor_s = decode_floor_s(weight_bytes(model), ctx.bandwidth_Bps())
-    yield Row(section, "memory read bandwidth", ctx.bandwidth_Bps() / 1e9, "GB/s")
-    yield Row(section, "decode step (C = 16) / (weight bytes / bandwidth)", steps[0].median_s / floor_s, "x",
-              note=f"floor {floor_s * 1e3:.1f} ms for {weight_bytes(model) / 1e6:,.0f} MB of weights")

@@ -29,6 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .hooks import capture_inputs, layer_projections, projection_modules
+from .progress import progress_bar
+from .prompts import TextSplit, token_ids
+from .validation import check_positive_int
+
 KINDS = ("absmax", "minmax", "nf4")
 GRANULARITIES = ("tensor", "row", "group")
 FP16_MAX = 65504.0
@@ -287,13 +292,24 @@ def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return (torch.linalg.vector_norm(w_hat.float() - w) / torch.linalg.vector_norm(w)).item()
 
 
+def count_levels(codes: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """Distinct codes in ``codes`` (n_blocks, block_len): overall, and in each block, (n_blocks,) int64.
+
+    Chapter 05 counts them per block of weights; chapter 06 per dimension of activations
+    (pass the codes transposed, one row per dimension).
+    """
+    if codes.dim() != 2 or codes.numel() == 0:
+        raise ValueError(f"codes must be a non-empty (n_blocks, block_len) tensor, got shape {tuple(codes.shape)}")
+    ordered = codes.to(torch.int16).sort(dim=1).values
+    per_block = 1 + (ordered.diff(dim=1) != 0).sum(1)
+    return int(codes.unique().numel()), per_block
+
+
 def levels_used(qt: QuantizedTensor) -> dict:
     """How many distinct codes a quantized tensor uses: overall, and per block (median, max)."""
-    ordered = qt.codes.to(torch.int16).sort(dim=1).values
-    distinct_per_block = 1 + (ordered.diff(dim=1) != 0).sum(1)
-    return {"overall": int(qt.codes.unique().numel()), "available": qt.scheme.n_levels,
-            "per_block_median": float(distinct_per_block.float().median()),
-            "per_block_max": int(distinct_per_block.max())}
+    overall, per_block = count_levels(qt.codes)
+    return {"overall": overall, "available": qt.scheme.n_levels,
+            "per_block_median": float(per_block.float().median()), "per_block_max": int(per_block.max())}
 
 
 def code_histogram(qt: QuantizedTensor) -> torch.Tensor:
@@ -470,16 +486,6 @@ def gguf_mix(dims, ftype: str = "Q4_K_M", *, tied: bool = False) -> dict:
 
 # --- a whole model ---------------------------------------------------------------------------
 
-def projection_modules(model) -> dict[str, torch.nn.Linear]:
-    """Every ``nn.Linear`` of the model except the output head: the projection matrices.
-
-    For a llama/qwen2 decoder these are q, k, v, o, gate, up and down of every layer.
-    """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return {name: m for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear) and m is not head}
-
-
 def projection_param_count(dims) -> tuple[int, int]:
     """(number of projection matrices, their weights) of a llama-like decoder from its dims."""
     mats = [m for m in _gguf_tensors(dims, tied=True) if m[0] not in ("output", "token_embd")]
@@ -507,7 +513,7 @@ class SchemeErrors:
 
 
 @torch.no_grad()
-def matrix_errors(model, scheme: Scheme, *, progress=None) -> SchemeErrors:
+def matrix_errors(model, scheme: Scheme, *, progress: bool = False) -> SchemeErrors:
     """Quantize every projection matrix (one at a time, nothing kept) and record its error.
 
     ``bits_per_weight`` is the weighted mean over the matrices; ``seconds`` is the wall time
@@ -515,7 +521,7 @@ def matrix_errors(model, scheme: Scheme, *, progress=None) -> SchemeErrors:
     """
     mods = projection_modules(model)
     errors, n, bits, t0 = {}, 0, 0.0, time.perf_counter()
-    for name, mod in (progress(mods.items(), total=len(mods), desc=scheme.name) if progress else mods.items()):
+    for name, mod in progress_bar(mods.items(), scheme.name, enabled=progress, total=len(mods)):
         w = mod.weight
         errors[name] = relative_error(w, fake_quantize(w, scheme))
         n += w.numel()
@@ -580,7 +586,7 @@ class WeightQuantizer:
         return total
 
     @torch.no_grad()
-    def apply(self, scheme: Scheme, *, input_scales: dict[str, torch.Tensor] | None = None, progress=None):
+    def apply(self, scheme: Scheme, *, input_scales: dict[str, torch.Tensor] | None = None, progress: bool = False):
         """Replace every projection weight ``W`` by ``fake_quantize(W, scheme)``.
 
         ``input_scales`` (name -> (in_features,) tensor, e.g. from :func:`awq_search`) quantizes
@@ -591,7 +597,7 @@ class WeightQuantizer:
             raise TypeError(f"expected a Scheme, got {type(scheme).__name__}")
         t0 = time.perf_counter()
         items = self.modules.items()
-        for name, mod in (progress(items, total=len(self.modules), desc=scheme.name) if progress else items):
+        for name, mod in progress_bar(items, scheme.name, enabled=progress, total=len(self.modules)):
             if name not in self._saved:
                 self._saved[name] = self._compact(mod.weight.data)
             w = self._original(name)
@@ -615,28 +621,6 @@ class WeightQuantizer:
 
 
 # --- activation-aware scaling (AWQ-style) ---------------------------------------------------
-
-@torch.no_grad()
-def capture_inputs(model, modules: dict[str, torch.nn.Module], input_ids: torch.Tensor, *,
-                   chunk_tokens: int = 256) -> dict[str, torch.Tensor]:
-    """The inputs each module in ``modules`` receives while the model reads ``input_ids``.
-
-    ``input_ids``: (1, n_tokens). Runs the text in independent chunks of ``chunk_tokens``
-    (forward pre-hooks, no change to the model). Returns name -> (n_tokens, in_features), float32.
-    """
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids must be (1, n_tokens), got {getattr(input_ids, 'shape', type(input_ids))}")
-    got: dict[str, list[torch.Tensor]] = {name: [] for name in modules}
-    hooks = [m.register_forward_pre_hook(lambda _m, args, name=name: got[name].append(
-        args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu())) for name, m in modules.items()]
-    try:
-        for start in range(0, input_ids.shape[1], chunk_tokens):
-            model(input_ids[:, start:start + chunk_tokens], use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return {name: torch.cat(chunks) for name, chunks in got.items()}
-
 
 def output_error(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
     """``||x W^T - x W_hat^T|| / ||x W^T||`` for inputs ``x`` (n, in_features): a layer's output error."""
@@ -711,83 +695,24 @@ def awq_search(x_calib: torch.Tensor, w: torch.Tensor, scheme: Scheme, *, n_grid
     return AwqFit(best[1], best[2], alphas, errors, eval_errors if x_eval is not None else None)
 
 
-def split_text_tokens(tok, text: str, n_tokens: int, *, heldout_from: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two disjoint (1, n_tokens) pieces of a text: one from its start (calibration), one from
-    the point ``heldout_from`` (a fraction of its length) on (held-out measurement)."""
-    if not 0 < heldout_from < 1:
-        raise ValueError(f"heldout_from must be a fraction strictly between 0 and 1, got {heldout_from}")
-    cut = int(len(text) * heldout_from)
-    calib = tok(text[:cut], return_tensors="pt").input_ids[:, :n_tokens]
-    held = tok(text[cut:], return_tensors="pt").input_ids[:, :n_tokens]
-    if calib.shape[1] < n_tokens or held.shape[1] < n_tokens:
-        raise ValueError(f"the text is too short for two pieces of {n_tokens} tokens")
-    return calib, held
-
-
-def layer_projections(model, layer: int | None = None) -> dict[str, torch.nn.Linear]:
-    """The projection matrices of one decoder layer (default: the middle one), by full name."""
-    mods = projection_modules(model)
-    layers = sorted({int(part) for name in mods for part in name.split(".") if part.isdigit()})
-    if not layers:
-        raise ValueError("could not find numbered decoder layers among the projection names")
-    chosen = layers[len(layers) // 2] if layer is None else layer
-    if chosen not in layers:
-        raise ValueError(f"layer must be one of 0..{layers[-1]}, got {layer}")
-    return {n: m for n, m in mods.items() if f".{chosen}." in f".{n}."}
-
-
 @torch.no_grad()
-def awq_layer(model, tok, text: str, scheme: Scheme, *, layer: int | None = None, n_tokens: int = 512,
-              progress=None) -> list[dict]:
+def awq_layer(model, tok, split: TextSplit, scheme: Scheme, *, layer: int | None = None, n_tokens: int = 512,
+              progress: bool = False) -> list[dict]:
     """AWQ vs round-to-nearest on every projection of one layer, at the same scheme.
 
-    Calibrates on the first ``n_tokens`` of ``text`` and measures on ``n_tokens`` from its
-    second half. One dict per projection: name, alpha, RTN and AWQ output errors on both
-    pieces, and the :class:`AwqFit` (with the held-out curve).
+    Calibrates on the first ``n_tokens`` of ``split.train`` and measures on the first
+    ``n_tokens`` of ``split.heldout`` (the course's one split, :func:`course_utils.prompts.book_split`).
+    One dict per projection: name, alpha, RTN and AWQ output errors on both pieces, and the
+    :class:`AwqFit` (with the held-out curve).
     """
     mods = layer_projections(model, layer)
-    calib_ids, held_ids = split_text_tokens(tok, text, n_tokens)
-    x_cal = capture_inputs(model, mods, calib_ids.to(model.device))
-    x_held = capture_inputs(model, mods, held_ids.to(model.device))
+    x_cal = capture_inputs(model, mods, token_ids(tok, split.train, n_tokens))
+    x_held = capture_inputs(model, mods, token_ids(tok, split.heldout, n_tokens))
     rows = []
-    for name, mod in (progress(mods.items(), desc="AWQ search") if progress else mods.items()):
+    for name, mod in progress_bar(mods.items(), "AWQ search", enabled=progress):
         w = mod.weight.detach().float().cpu()
         fit = awq_search(x_cal[name], w, scheme, x_eval=x_held[name])
         best = fit.alphas.index(fit.alpha)
         rows.append({"name": name, "alpha": fit.alpha, "rtn_calib": fit.errors[0], "awq_calib": fit.errors[best],
                      "rtn_heldout": fit.eval_errors[0], "awq_heldout": fit.eval_errors[best], "fit": fit})
     return rows
-
-
-# --- benchmark rows (python -m course_utils.bench) --------------------------------------------
-
-def bench(ctx):
-    """Seconds and bytes per scheme; AWQ's output error vs round-to-nearest; matmul time per precision."""
-    from .bench import Row
-    from .data import load_text
-
-    section = "05 weight quantization"
-    model, tok = ctx.model()
-    from .models import weight_bytes
-
-    mods = projection_modules(model)
-    n_weights = sum(m.weight.numel() for m in mods.values())
-    other_bytes = weight_bytes(model) - sum(m.weight.nbytes for m in mods.values())
-    for label, scheme in CHAPTER_SCHEMES.items():
-        res = matrix_errors(model, scheme)
-        yield Row(section, f"quantize every matrix, {label}", res.seconds, "s",
-                  note=f"{len(res.errors)} matrices, mean error {res.mean:.4f}")
-        proj_bytes = n_weights * res.bits_per_weight / 8
-        yield Row(section, f"model bytes, {label}", (proj_bytes + other_bytes) / 1e6, "MB",
-                  note=f"projections {proj_bytes / 1e6:.1f} MB at {res.bits_per_weight:.3f} bits/weight, the rest as "
-                       f"loaded ({other_bytes / 1e6:.0f} MB); all as loaded {weight_bytes(model) / 1e6:.0f} MB")
-    scheme = Scheme("absmax", 4, "group", 64, pad=True)
-    rows = awq_layer(model, tok, load_text("pride_and_prejudice"), scheme)
-    ratios = [r["awq_heldout"] / r["rtn_heldout"] for r in rows]
-    mean_ratio = sum(ratios) / len(ratios)
-    yield Row(section, f"AWQ / RTN output error, held-out text, {scheme.name}", mean_ratio, "x", "< 1",
-              mean_ratio < 1, note=f"mean over the {len(rows)} projections of {rows[0]['name'].rsplit('.', 2)[0]}; "
-                                   f"range {min(ratios):.2f}-{max(ratios):.2f}")
-    from .lowbit_kernels import bench_rows
-    yield from bench_rows(ctx, section)
-

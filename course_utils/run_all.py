@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from .sampling import PeakSampler
+from .peak_rss import PeakSampler
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"

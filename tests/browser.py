@@ -22,6 +22,10 @@ INSTALL_HINT = ("Chromium was not found. Install it to run the browser tests "
                 "or set CHROMIUM_PATH to its executable.")
 
 
+def chromium_available() -> bool:
+    return bool(os.environ.get("CHROMIUM_PATH") or shutil.which("chromium") or shutil.which("chromium-browser"))
+
+
 def chromium_path() -> str:
     """The Chromium executable; a test fails without it under CI and is skipped elsewhere."""
     found = os.environ.get("CHROMIUM_PATH") or shutil.which("chromium") or shutil.which("chromium-browser")

@@ -1,4 +1,8 @@
-"""Shared fixtures: the embedded model (loaded once) and tiny random llama / qwen2 models."""
+"""Shared fixtures: the embedded model (loaded once), tiny random llama / qwen2 models, a tiny qwen2 GGUF file,
+and each chapter's second run (other architecture, reduced sizes), executed at most once per test run.
+
+Every test that executes a chapter carries the ``notebooks`` marker, so ``-m "not notebooks"`` is the quick loop.
+"""
 from __future__ import annotations
 
 import os
@@ -8,6 +12,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads its t
 
 import pytest
 import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if str(item.fspath).endswith(".ipynb"):              # nbval's cells
+            item.add_marker(pytest.mark.notebooks)
 
 
 @pytest.fixture(scope="session")
@@ -45,3 +55,30 @@ def tiny_qwen2():
 def tiny_model(request):
     """Each tiny architecture in turn."""
     return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """A tiny random qwen2 model as a GGUF file (2 layers, q/k/v biases, its own LM head)."""
+    from tiny_gguf import write_tiny_qwen2_gguf
+    return write_tiny_qwen2_gguf(tmp_path_factory.mktemp("qwen2-gguf") / "tiny-qwen2-random.gguf")
+
+
+@pytest.fixture(scope="session")
+def second_run(tmp_path_factory, tiny_gguf):
+    """``second_run(chapter) -> executed notebook``: the chapter on the tiny qwen2 GGUF with reduced sizes,
+    executed with papermill once per test run (later calls return the same file)."""
+    from chapters import reduced_parameters
+
+    out_dir = tmp_path_factory.mktemp("second-run")
+    done = {}
+
+    def run(chapter):
+        if chapter not in done:
+            import papermill as pm
+            target = out_dir / chapter.name
+            pm.execute_notebook(str(chapter), str(target), parameters=reduced_parameters(chapter, str(tiny_gguf)),
+                                cwd=str(chapter.parent), kernel_name="python3", progress_bar=False)
+            done[chapter] = target
+        return done[chapter]
+    return run

@@ -7,7 +7,7 @@ from transformers import DynamicCache
 
 from course_utils.kv_cache import (attention_macs, cache_nbytes, counted_macs, decode_one_token, generation_macs,
                                    greedy_cached, greedy_recompute, head_step_cached, head_step_recompute,
-                                   kv_cache_bytes, macs_bytes_figure, macs_bytes_table, prefill, score_bytes,
+                                   macs_bytes_figure, macs_bytes_table, prefill, score_bytes,
                                    step_macs, step_seconds, weight_macs_per_token)
 from course_utils.models import model_dims
 
@@ -57,9 +57,9 @@ def test_cache_bytes_equal_the_formula(tiny_model):
     dims = model_dims(tiny_model.config)
     cache = DynamicCache(config=tiny_model.config)
     prefill(tiny_model, torch.arange(11).unsqueeze(0), cache)
-    assert cache_nbytes(cache) == kv_cache_bytes(11, dims, bytes_per_element=4)
+    assert cache_nbytes(cache) == dims.kv_elements_per_token * 11 * 4
     decode_one_token(tiny_model, torch.tensor([[3]]), cache)
-    assert cache_nbytes(cache) == kv_cache_bytes(12, dims, bytes_per_element=4)
+    assert cache_nbytes(cache) == dims.kv_elements_per_token * 12 * 4
 
 
 @pytest.mark.parametrize("n", [1, 2, 17, 300])
@@ -118,7 +118,8 @@ def test_step_and_generation_growth():
     lambda d: step_macs(-3, d, 10, cached=False),
     lambda d: generation_macs(0, 5, d, 10, cached=True),
     lambda d: score_bytes(-1, cached=True),
-    lambda d: kv_cache_bytes(4.5, d),
+    lambda d: score_bytes(4.5, cached=False),
+    lambda d: attention_macs(-1, 4, d),
 ])
 def test_counting_rejects_bad_sizes(call):
     dims = model_dims({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64})

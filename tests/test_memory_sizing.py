@@ -32,7 +32,7 @@ def test_mha_gqa_mqa():
 def test_seven_b_class_example():
     seven = SYLLABUS_MODELS["7B (GQA)"]
     assert kv_bytes_per_token(seven, "fp16") == 128 * 1024
-    weights = ms.weights_bytes(7e9, "fp16")
+    weights = ms.weight_bytes_at(7e9, "fp16")
     assert weights == 14_000_000_000 and round(weights / GIB, 1) == 13.0
     assert kv_cache_bytes(seven, 128_000, "fp16") > weights
     crossover = ms.crossover_tokens(seven)
@@ -177,12 +177,12 @@ def test_fit_needs_a_parameter_count():
     assert fit(16, REF, n_params=494_032_768).fits
 
 
-def test_weights_bytes_rejects_bad_input():
+def test_weight_bytes_at_rejects_bad_input():
     with pytest.raises(ValueError):
-        ms.weights_bytes(0)
+        ms.weight_bytes_at(0)
     with pytest.raises(ValueError):
-        ms.weights_bytes(7e9, "int5")
-    assert ms.weights_bytes(13e9, "int4") == 6_703_125_000
+        ms.weight_bytes_at(7e9, "int5")
+    assert ms.weight_bytes_at(13e9, "int4") == 6_703_125_000
 
 
 # --- shipped model shapes -------------------------------------------------------------------------------

@@ -2,27 +2,19 @@
 
 Nothing in a chapter may assume the embedded model's shape (30 layers, 9 heads, 3 KV heads,
 tied embeddings). This executes each notebook with ``MODEL`` set to a qwen2 GGUF file made
-in the test (2 layers, 4 heads, 2 KV heads, q/k/v biases, a separate LM head), which also
-exercises the loader's GGUF conversion for a second architecture. Its weights are random,
-so its text is nonsense; the chapters' exactness asserts must hold all the same.
+in the test (2 layers, 4 heads, 2 KV heads, q/k/v biases, a separate LM head) and the
+reduced sizes of ``chapters.REDUCED``, which also exercises the loader's GGUF conversion for
+a second architecture. Its weights are random, so its text is nonsense; the chapters'
+exactness asserts must hold all the same. Chapters the browser tests run in JupyterLab
+(when Chromium is present) take their second run there instead.
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
-from tiny_gguf import write_tiny_qwen2_gguf
-
-ROOT = Path(__file__).resolve().parent.parent
-CHAPTERS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("qwen2-gguf")
-    return write_tiny_qwen2_gguf(folder / "tiny-qwen2-random.gguf")
+from browser import chromium_available
+from chapters import CHAPTERS, check_second_run
+from test_browser import SLIDER_CASES
 
 
 def test_the_loader_converts_a_qwen2_gguf(tiny_gguf, tmp_path, monkeypatch):
@@ -38,9 +30,11 @@ def test_the_loader_converts_a_qwen2_gguf(tiny_gguf, tmp_path, monkeypatch):
     assert all((a == b).all() for a, b in zip(model.state_dict().values(), again.state_dict().values()))
 
 
-@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.stem)
-def test_chapter_runs_on_a_qwen2_gguf(chapter, tiny_gguf, tmp_path):
-    import papermill as pm
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    pm.execute_notebook(str(chapter), str(tmp_path / chapter.name), parameters={"MODEL": str(tiny_gguf)},
-                        cwd=str(chapter.parent), kernel_name="python3", progress_bar=False)
+IN_THE_BROWSER = {name for name, _ in SLIDER_CASES} if chromium_available() else set()
+HERE = [c for c in CHAPTERS if c.name not in IN_THE_BROWSER]
+
+
+@pytest.mark.notebooks
+@pytest.mark.parametrize("chapter", HERE, ids=lambda p: p.stem)
+def test_chapter_runs_on_a_qwen2_gguf(chapter, second_run):
+    check_second_run(second_run(chapter))

@@ -7,13 +7,15 @@ import pytest
 import torch
 
 from course_utils import outliers as O
+from course_utils.hooks import decoder_layers
+from course_utils.quantize import count_levels
 
 
 def test_hooks_record_the_same_states_as_output_hidden_states(tiny_model):
     ids = torch.randint(0, 128, (1, 12))
-    hooks_before = [len(layer._forward_hooks) for layer in O.decoder_layers(tiny_model)]
+    hooks_before = [len(layer._forward_hooks) for layer in decoder_layers(tiny_model)]
     h = O.residual_stream(tiny_model, ids)
-    assert [len(layer._forward_hooks) for layer in O.decoder_layers(tiny_model)] == hooks_before
+    assert [len(layer._forward_hooks) for layer in decoder_layers(tiny_model)] == hooks_before
     n = tiny_model.config.num_hidden_layers
     with torch.no_grad():
         ref = tiny_model(ids, output_hidden_states=True).hidden_states
@@ -53,11 +55,11 @@ def test_one_huge_dimension_leaves_ordinary_dimensions_one_level():
     x[5, 0] = 1500.0
     scale = O.int8_scale(x)
     assert scale == pytest.approx(1500 / 127)
-    overall, per_dim = O.levels_used(x, scale)
+    overall, per_dim = count_levels(O.int8_codes(x, scale).T)
     assert per_dim[0] == 2 and (per_dim[1:] == 1).all() and overall == 2
     small = O.int8_scale(x, exclude_dims=[0])
     assert small == pytest.approx(x[:, 1:].abs().max().item() / 127)
-    assert (O.levels_used(x, small)[1][1:] > 20).all()
+    assert (count_levels(O.int8_codes(x, small).T)[1][1:] > 20).all()
 
 
 def test_fake_int8_error_is_at_most_half_a_step():

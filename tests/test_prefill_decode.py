@@ -11,6 +11,8 @@ from transformers import DynamicCache
 
 from course_utils import prefill_decode as pd
 from course_utils.kv_cache import decode_one_token, greedy_cached, prefill
+from course_utils.models import model_dims
+from course_utils.prompts import chat_prompt_ids
 
 # --- metrics on hand-made arrival times -----------------------------------------------------------------
 
@@ -112,9 +114,27 @@ def test_sweeps_return_every_length_in_order(tiny_model):
         pd.prefill_sweep(tiny_model, ids, [])
 
 
-def test_weight_matvec_reads_every_matrix(tiny_llama):
-    timing = pd.weight_matvec_s(tiny_llama, repeats=1)
-    assert len(timing.result) == sum(1 for p in tiny_llama.parameters() if p.dim() == 2)
+def test_weight_matvec_reads_every_matrix_a_step_multiplies(tiny_model):
+    timing = pd.weight_matvec_s(tiny_model, repeats=1)
+    matrices = pd.step_weight_matrices(tiny_model)
+    assert len(timing.result) == len(matrices)
+    embed = tiny_model.get_input_embeddings().weight
+    tied = tiny_model.config.tie_word_embeddings
+    # untied: the embedding table is only looked up (one row), so it is not among the matrices; tied: it is the LM head
+    assert any(m is embed for m in matrices) == tied
+    assert len(matrices) == len({m.data_ptr() for m in matrices})
+
+
+def test_decode_step_bytes_counts_weights_once_one_embedding_row_and_the_cache(tiny_model):
+    dims = model_dims(tiny_model.config)
+    embed = tiny_model.get_input_embeddings().weight
+    weights = sum(p.nbytes for p in {p.data_ptr(): p for p in tiny_model.parameters()}.values())
+    expected = weights if tiny_model.config.tie_word_embeddings else weights - embed.nbytes + 2 * embed[0].nbytes
+    assert pd.decode_step_bytes(tiny_model, 0, batch=2) == expected
+    assert pd.decode_step_bytes(tiny_model, 10, batch=2) - pd.decode_step_bytes(tiny_model, 0, batch=2) == \
+        2 * 10 * dims.kv_elements_per_token * 4
+    with pytest.raises(ValueError, match="context_tokens"):
+        pd.decode_step_bytes(tiny_model, -1)
 
 
 # --- a real streamed generation ----------------------------------------------------------------------------
@@ -132,22 +152,13 @@ def test_token_clock_skips_the_prompt():
 def test_stream_generate_times_the_greedy_tokens(embedded):
     model, tok = embedded
     record = pd.stream_generate(model, tok, "What is the capital of France?", 5)
-    ids = pd.chat_input_ids(tok, "What is the capital of France?")
+    ids = torch.tensor([chat_prompt_ids(tok, "What is the capital of France?")])
     assert record.prompt_tokens == ids.shape[1]
     assert record.token_ids == greedy_cached(model, ids, 5)[0].tolist()
     assert len(record.arrival_s) == 5 and record.arrival_s == sorted(record.arrival_s)
     assert record.arrival_s[-1] <= record.end_s
     m = pd.stream_metrics(record.arrival_s, record.end_s)
     assert m.n_tokens == 5 and 0 < m.ttft_s <= m.e2e_s
-
-
-def test_book_token_ids(embedded):
-    _, tok = embedded
-    ids = pd.book_token_ids(tok, 300)
-    assert ids.shape == (1, 300)
-    assert tok.decode(ids[0, :5]).startswith("It is a truth")
-    with pytest.raises(ValueError):
-        pd.book_token_ids(tok, 0)
 
 
 # --- widget ---------------------------------------------------------------------------------------------------

@@ -1,17 +1,16 @@
 """Chapter 04 -- a continuous-batching engine on a paged KV cache, in plain PyTorch.
 
 Read it in this order: ``sequence.py`` (a request), ``block_manager.py`` (the paged
-cache's allocator), ``scheduler.py`` (who runs each step), ``model_runner.py`` (the
-model over the paged pool), ``engine.py`` (the loop), ``check.py`` (exactness against
-transformers' ``generate``).
+cache's allocator), ``scheduler.py`` (who runs each step, and what happens to its
+results), ``model_runner.py`` (the model over the paged pool), ``engine.py`` (the glue).
+Its exactness is checked against transformers' ``generate`` with
+:mod:`course_utils.reference`.
 """
-from .block_manager import Block, BlockManager, block_hash
-from .check import Agreement, check_against_generate, compare_tokens, reference_generate
+from .block_manager import Block, BlockManager, PrefixMatch, block_hash
 from .engine import LLMEngine, StepRecord, eos_ids_of
 from .model_runner import ModelRunner, RunnerWeights, StepInput
-from .scheduler import Scheduler
-from .sequence import Sequence, Status
+from .scheduler import POLICIES, Scheduler
+from .sequence import Refused, Sequence, Status
 
-__all__ = ["Agreement", "Block", "BlockManager", "LLMEngine", "ModelRunner", "RunnerWeights", "Scheduler", "Sequence",
-           "Status", "StepInput", "StepRecord", "block_hash", "check_against_generate", "compare_tokens",
-           "eos_ids_of", "reference_generate"]
+__all__ = ["Block", "BlockManager", "LLMEngine", "ModelRunner", "POLICIES", "PrefixMatch", "Refused", "RunnerWeights",
+           "Scheduler", "Sequence", "Status", "StepInput", "StepRecord", "block_hash", "eos_ids_of"]

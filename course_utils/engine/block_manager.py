@@ -20,7 +20,9 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from dataclasses import dataclass
 
+from ..validation import check_positive_int
 from .sequence import Sequence
 
 
@@ -31,6 +33,14 @@ def block_hash(prefix_hash: int | None, token_ids: list[int]) -> int:
         h.update(prefix_hash.to_bytes(8, "little"))
     h.update(array("q", token_ids).tobytes())
     return int.from_bytes(h.digest(), "little")
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """A sequence's chained block hashes and the ids of the leading blocks that already hold its tokens."""
+
+    hashes: list[int]
+    hits: list[int]
 
 
 class Block:
@@ -44,12 +54,12 @@ class Block:
 
 
 class BlockManager:
-    """Hands out blocks to sequences: ``can_allocate / allocate / can_append / may_append / deallocate``."""
+    """Hands out blocks to sequences: ``match_prefix``, then ``can_allocate / allocate / can_append / may_append /
+    deallocate``."""
 
     def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True):
-        for name, v in (("num_blocks", num_blocks), ("block_size", block_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        check_positive_int("num_blocks", num_blocks)
+        check_positive_int("block_size", block_size)
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -60,28 +70,32 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free)
 
-    def _hashes(self, seq: Sequence) -> list[int]:
-        """Chained hashes of the sequence's full blocks."""
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self.free)
+
+    def match_prefix(self, seq: Sequence) -> PrefixMatch:
+        """Hash the sequence's full blocks and find the leading ones the pool already holds.
+
+        Computed once per admission: the scheduler passes it to :meth:`can_allocate` and
+        :meth:`allocate`. A hash is only a name: a hit also needs the block's tokens to be equal.
+        """
         hashes, h = [], None
         for i in range(len(seq) // self.block_size):
             h = block_hash(h, seq.block_tokens(i))
             hashes.append(h)
-        return hashes
-
-    def _lookup(self, seq: Sequence, hashes: list[int]) -> list[int]:
-        """Ids of the blocks that already hold the sequence's leading full blocks."""
         hits = []
         for i, h in enumerate(hashes if self.prefix_caching else []):
             bid = self.cached.get(h)
             if bid is None or self.blocks[bid].token_ids != tuple(seq.block_tokens(i)):
                 break
             hits.append(bid)
-        return hits
+        return PrefixMatch(hashes, hits)
 
-    def can_allocate(self, seq: Sequence) -> bool:
+    def can_allocate(self, seq: Sequence, match: PrefixMatch | None = None) -> bool:
         """Enough free blocks for the sequence, counting shared blocks already in use as free of charge."""
-        hits = self._lookup(seq, self._hashes(seq))
-        in_use = sum(1 for bid in hits if self.blocks[bid].ref_count > 0)
+        match = self.match_prefix(seq) if match is None else match
+        in_use = sum(1 for bid in match.hits if self.blocks[bid].ref_count > 0)
         return self.num_free_blocks >= seq.num_blocks - in_use
 
     def _take_free(self) -> Block:
@@ -97,24 +111,23 @@ class BlockManager:
             block.hash, block.token_ids = h, tuple(token_ids)
             self.cached[h] = block.block_id
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
+    def allocate(self, seq: Sequence, match: PrefixMatch | None = None) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing the cached prefix blocks of ``match``."""
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks {seq.block_table}")
-        hashes = self._hashes(seq)
-        hits = self._lookup(seq, hashes)
+        match = self.match_prefix(seq) if match is None else match
         for i in range(seq.num_blocks):
-            if i < len(hits):
-                block = self.blocks[hits[i]]
+            if i < len(match.hits):
+                block = self.blocks[match.hits[i]]
                 if block.ref_count == 0:
                     del self.free[block.block_id]     # revive a freed block that still holds the prefix
                 block.ref_count += 1
             else:
                 block = self._take_free()
-                if i < len(hashes):
-                    self._register(block, hashes[i], seq.block_tokens(i))
+                if i < len(match.hashes):
+                    self._register(block, match.hashes[i], seq.block_tokens(i))
             seq.block_table.append(block.block_id)
-        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_cached_tokens = len(match.hits) * self.block_size
 
     def can_append(self, seq: Sequence) -> bool:
         """Can the next decode step write position ``len(seq) - 1`` (a new block if it starts one)?"""

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..progress import progress_bar
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, RunnerWeights
 from .scheduler import Scheduler
-from .sequence import Sequence, Status
+from .sequence import Refused, Sequence
 
 
 @dataclass(frozen=True)
@@ -84,40 +85,31 @@ class LLMEngine:
         return list(prompt_ids)
 
     def add_request(self, prompt_ids, max_tokens: int, *, ignore_eos: bool = False) -> int:
-        """Queue a request; returns its id. Bad input raises ``ValueError``/``TypeError`` and queues nothing."""
+        """Queue a request; returns its id. Bad input raises ``ValueError``/``TypeError`` and queues nothing.
+
+        ``ignore_eos``: generate exactly ``max_tokens`` tokens, even past an end-of-sequence token.
+        """
         prompt_ids = self._validate(prompt_ids, max_tokens)
         seq = Sequence(len(self.sequences), prompt_ids, max_tokens, block_size=self.block_manager.block_size,
-                       eos_token_ids=frozenset() if ignore_eos else self.eos_token_ids, arrival_s=self.now())
+                       eos_token_ids=self.eos_token_ids, ignore_eos=ignore_eos, arrival_s=self.now())
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
 
     def step(self) -> list[Sequence]:
-        """Schedule, run the model once, append the new tokens; returns the sequences that finished."""
+        """Schedule, run the model once, hand the new tokens to the scheduler; returns the sequences that finished."""
         seqs, is_prefill = self.scheduler.schedule()
         if not seqs:
             if self.has_unfinished():
                 raise RuntimeError("the scheduler could not run any sequence although requests are waiting")
             return []
+        num_tokens = sum(len(seq.positions_to_run(is_prefill)[0]) for seq in seqs)
         start_s = self.now()
-        for seq in seqs:
-            if is_prefill:
-                seq.spans.append((seq.slot, start_s, start_s))
-        num_tokens = sum(len(s) - min(s.num_cached_tokens, len(s) - 1) for s in seqs) if is_prefill else len(seqs)
         token_ids = self.runner.run(seqs, is_prefill)
-        end_s, finished = self.now(), []
-        for seq, token in zip(seqs, token_ids):
-            if seq.is_finished:                   # static padding: computed, not used
-                continue
-            reason = seq.append(token)
-            seq.first_token_s = end_s if seq.first_token_s is None else seq.first_token_s
-            seq.spans[-1] = (seq.spans[-1][0], seq.spans[-1][1], end_s)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-                seq.finish_s = end_s
-                finished.append(seq)
-        used = len(self.block_manager.blocks) - self.block_manager.num_free_blocks
-        self.steps.append(StepRecord(start_s, end_s, is_prefill, len(seqs), num_tokens, used))
+        end_s = self.now()
+        finished = self.scheduler.postprocess(seqs, token_ids, is_prefill, start_s=start_s, end_s=end_s)
+        self.steps.append(StepRecord(start_s, end_s, is_prefill, len(seqs), num_tokens,
+                                     self.block_manager.num_used_blocks))
         return finished
 
     def has_unfinished(self) -> bool:
@@ -128,27 +120,19 @@ class LLMEngine:
         """Run requests to completion; one result per prompt, in order.
 
         ``max_tokens``: one int for all, or one per prompt. A prompt with bad input comes back
-        as a finished sequence with ``finish_reason == "error"`` and the message in ``error``.
+        as a :class:`~.sequence.Refused` (``finish_reason == "error"``, the message in ``error``).
         """
         limits = max_tokens if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
         if len(limits) != len(prompts):
             raise ValueError(f"got {len(limits)} max_tokens values for {len(prompts)} prompts")
-        results = []
+        results: list[Sequence | Refused] = []
         for prompt, limit in zip(prompts, limits):
             try:
                 results.append(self.sequences[self.add_request(prompt, limit, ignore_eos=ignore_eos)])
             except (TypeError, ValueError) as exc:
-                bad = Sequence(-1, [], 0, block_size=self.block_manager.block_size)
-                bad.status, bad.finish_reason, bad.error = Status.FINISHED, "error", str(exc)
-                results.append(bad)
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
-            bar = tqdm(total=sum(r.error is None for r in results), desc="engine", unit="request")
-        while self.has_unfinished():
-            done = self.step()
-            if bar is not None:
-                bar.update(len(done))
-        if bar is not None:
-            bar.close()
+                results.append(Refused(prompt, str(exc)))
+        accepted = sum(isinstance(r, Sequence) for r in results)
+        with progress_bar(None, "engine", enabled=progress, total=accepted, unit="request") as bar:
+            while self.has_unfinished():
+                bar.update(len(self.step()))
         return results

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..hooks import decoder_layers
 from ..models import model_dims, resolve_dtype
 from .sequence import Sequence
 
@@ -81,7 +82,7 @@ class RunnerWeights:
         _check_supported(model)
         dt = resolve_dtype(dtype) if dtype is not None else model.dtype
         layers = []
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             att, mlp = layer.self_attn, layer.mlp
             layers.append(dict(
                 in_norm=layer.input_layernorm.weight.detach().to(dt),
@@ -92,8 +93,8 @@ class RunnerWeights:
                 w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dt),
                 b_gate_up=_cat_bias([mlp.gate_proj, mlp.up_proj], dt),
                 w_down=mlp.down_proj.weight.detach().to(dt), b_down=_cat_bias([mlp.down_proj], dt)))
-        return cls(dt, layers, model.model.embed_tokens.weight.detach().to(dt),
-                   model.model.norm.weight.detach().to(dt), model.lm_head.weight.detach().to(dt))
+        return cls(dt, layers, model.get_input_embeddings().weight.detach().to(dt),
+                   model.model.norm.weight.detach().to(dt), model.get_output_embeddings().weight.detach().to(dt))
 
 
 def _add_linear(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -114,7 +115,7 @@ class ModelRunner:
         self.dtype, self.device = weights.dtype, model.device
         self.num_blocks, self.block_size = num_blocks, block_size
         self.eps = model.config.rms_norm_eps
-        self.act = model.model.layers[0].mlp.act_fn
+        self.act = decoder_layers(model)[0].mlp.act_fn
         self.layers, self.embed = weights.layers, weights.embed
         self.final_norm, self.lm_head = weights.final_norm, weights.lm_head
         pool_shape = (dims.n_layers, num_blocks * block_size, dims.n_kv_heads, dims.head_dim)
@@ -145,25 +146,21 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of keys and values one token position takes in the pool, all layers."""
-        d = self.dims
-        return 2 * d.n_layers * d.n_kv_heads * d.head_dim * self.k_pool.element_size()
+        return self.dims.kv_elements_per_token * self.k_pool.element_size()
 
     def prepare(self, seqs: list[Sequence], is_prefill: bool) -> StepInput:
         """Flatten the sequences' new tokens; build the slot, block-table and attention-bias tensors."""
         bs = self.block_size
         ids, pos, rows, slots, q_lens = [], [], [], [], []
         for seq in seqs:
-            n = len(seq) - seq.is_finished    # static padding: a finished sequence reruns its last fed token
-            # a fully cached prompt still runs its last token, to get the logits of the next one
-            start = min(seq.num_cached_tokens, n - 1) if is_prefill else n - 1
-            first_write = seq.num_cached_tokens if is_prefill else n - 1
-            for p in range(start, n):
-                if p >= first_write and not seq.is_finished:    # cached positions are not written again
+            positions, first_write = seq.positions_to_run(is_prefill)
+            for p in positions:
+                if p >= first_write:                  # cached positions are not written again
                     rows.append(len(ids))
                     slots.append(seq.block_table[p // bs] * bs + p % bs)
                 ids.append(seq.token_ids[p])
                 pos.append(p)
-            q_lens.append(n - start)
+            q_lens.append(len(positions))
         S, Q = len(seqs), max(q_lens)
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]

@@ -2,7 +2,8 @@
 
 Each step is either a *prefill* step (new sequences run their prompts) or a *decode*
 step (every running sequence produces one token), as in nano-vllm: ``schedule()``
-returns ``(seqs, is_prefill)``.
+returns ``(seqs, is_prefill)``; after the model has run, ``postprocess()`` appends each
+sequence's new token and finishes the sequences that are done.
 
 * ``policy="continuous"``: a queued request is admitted the step a slot and its blocks
   are free (Orca, Yu et al. 2022).
@@ -19,10 +20,12 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
+from ..validation import check_positive_int
 from .block_manager import BlockManager
 from .sequence import Sequence, Status
 
-POLICIES = ("continuous", "static")
+#: The batching policies, in the order chapter 04 introduces them.
+POLICIES = ("static", "continuous")
 
 
 class Scheduler:
@@ -32,9 +35,8 @@ class Scheduler:
                  policy: str = "continuous"):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        check_positive_int("max_num_seqs", max_num_seqs)
+        check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -74,10 +76,13 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             over_budget = admitted and tokens + len(seq) > self.max_num_batched_tokens  # one sequence always fits
-            if over_budget or not self.block_manager.can_allocate(seq):
+            if over_budget:
+                break
+            match = self.block_manager.match_prefix(seq)          # hashed once per admission
+            if not self.block_manager.can_allocate(seq, match):
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(seq)
+            self.block_manager.allocate(seq, match)
             tokens += len(seq) - seq.num_cached_tokens
             seq.status, seq.slot, seq.batch_id = Status.RUNNING, heapq.heappop(self.free_slots), self.num_batches
             self.running.append(seq)
@@ -113,6 +118,25 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         self._end_batch_if_done()
+
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool, *,
+                    start_s: float, end_s: float) -> list[Sequence]:
+        """After a step ran from ``start_s`` to ``end_s``: append each sequence's new token, extend its
+        time in its slot, and finish those that are done. Returns the sequences that finished."""
+        finished = []
+        for seq, token in zip(seqs, token_ids):
+            if seq.is_finished:                   # static padding: computed, not used
+                continue
+            if is_prefill:
+                seq.spans.append((seq.slot, start_s, end_s))
+            else:
+                seq.spans[-1] = (seq.spans[-1][0], seq.spans[-1][1], end_s)
+            reason = seq.append(token)
+            if reason is not None:
+                seq.finish_s = end_s
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark a sequence done; release its blocks and slot (static policy: when its whole batch is done)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from dataclasses import dataclass
 
 
 class Status(enum.Enum):
@@ -22,20 +23,22 @@ class Status(enum.Enum):
 class Sequence:
     """One request: prompt + generated tokens, its block table and its timeline (seconds).
 
-    ``num_cached_tokens`` counts the leading prompt tokens whose keys and values were
-    found in shared blocks when the sequence was last given blocks (prefix caching).
-    ``spans`` lists ``(slot, start_s, end_s)`` for each stay in a slot (a preempted
-    sequence has more than one).
+    Generation stops after ``max_tokens`` new tokens, or at a token of ``eos_token_ids``
+    unless ``ignore_eos``. ``num_cached_tokens`` counts the leading prompt tokens whose keys
+    and values were found in shared blocks when the sequence was last given blocks (prefix
+    caching). ``spans`` lists ``(slot, start_s, end_s)`` for each stay in a slot (a
+    preempted sequence has more than one).
     """
 
     def __init__(self, seq_id: int, prompt_ids: list[int], max_tokens: int, *, block_size: int,
-                 eos_token_ids: frozenset[int] = frozenset(), arrival_s: float = 0.0):
+                 eos_token_ids: frozenset[int] = frozenset(), ignore_eos: bool = False, arrival_s: float = 0.0):
         self.seq_id = seq_id
         self.token_ids = list(prompt_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.max_tokens = max_tokens
         self.block_size = block_size
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.ignore_eos = ignore_eos
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
@@ -43,11 +46,9 @@ class Sequence:
         self.batch_id: int | None = None
         self.num_preemptions = 0
         self.arrival_s = arrival_s
-        self.first_token_s: float | None = None
         self.finish_s: float | None = None
         self.spans: list[tuple[int, float, float]] = []
-        self.finish_reason: str | None = None   # "eos", "length" or "error"
-        self.error: str | None = None
+        self.finish_reason: str | None = None   # "eos" or "length"
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -81,10 +82,25 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    def positions_to_run(self, is_prefill: bool) -> tuple[range, int]:
+        """The positions whose tokens this step feeds, and the first of them whose keys/values it stores.
+
+        Prefill: every prompt position not found in the prefix cache (a fully cached prompt
+        still runs its last token, to get the logits of the next one), storing from the first
+        uncached one. Decode: the newest token. A finished sequence still computed as padding
+        (static batching) reruns its last fed token and stores nothing.
+        """
+        if self.is_finished:
+            last = len(self) - 2
+            return range(last, last + 1), last + 1
+        if is_prefill:
+            return range(min(self.num_cached_tokens, len(self) - 1), len(self)), self.num_cached_tokens
+        return range(len(self) - 1, len(self)), len(self) - 1
+
     def append(self, token_id: int) -> str | None:
         """Add a generated token; return why the sequence stops now (``"eos"``/``"length"``) or None."""
         self.token_ids.append(token_id)
-        if token_id in self.eos_token_ids:
+        if not self.ignore_eos and token_id in self.eos_token_ids:
             return "eos"
         if self.num_output_tokens >= self.max_tokens:
             return "length"
@@ -94,3 +110,12 @@ class Sequence:
     def latency_s(self) -> float | None:
         """Seconds from arrival to the last token (None until finished)."""
         return None if self.finish_s is None else self.finish_s - self.arrival_s
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A request the engine did not accept: its prompt as given and why (``engine.generate`` returns it in place)."""
+
+    prompt_ids: object
+    error: str
+    finish_reason: str = "error"

@@ -1,6 +1,8 @@
-"""A background thread that keeps the peak of a reading, e.g. a process's RSS (chapter 01 onwards).
+"""The peak of a process's resident memory (RSS), sampled by a background thread (chapter 01 onwards).
 
-Kept free of torch so the main job's own process (which only watches the kernels) stays light.
+Used by :func:`course_utils.measure.peak_memory` (one call, in the kernel) and by the main
+job (:mod:`course_utils.run_all`, the kernel process watched from outside). Kept free of
+torch so the main job's own process stays light.
 """
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ from typing import Callable
 
 
 class PeakSampler(threading.Thread):
-    """Calls ``read()`` every ``interval_s`` seconds until :meth:`stop`; ``peak`` is the largest value.
+    """Calls ``read()`` (e.g. a process's RSS in bytes) every ``interval_s`` seconds until
+    :meth:`stop`; ``peak`` is the largest value read.
 
     The value at construction and a final reading at :meth:`stop` are included.
     """

@@ -1,0 +1,35 @@
+"""Every benchmark section runs and produces its rows, on a tiny model with reduced sizes.
+
+Speed is not asserted here (timings belong in the benchmark's table, not in tests): only that
+each section yields rows, none of them a failure, every value finite.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from course_utils.bench import SECTIONS, BenchContext, Row, format_table, run
+
+
+@pytest.fixture(scope="module")
+def bench_rows(tiny_gguf, tmp_path_factory):
+    import io
+    ctx = BenchContext(model_name=str(tiny_gguf), reduced=True)
+    return run(SECTIONS, ctx, stream=io.StringIO())
+
+
+@pytest.mark.parametrize("section", [name for name, _ in SECTIONS])
+def test_section_yields_finite_rows(bench_rows, section):
+    rows = [r for r in bench_rows if r.section == section]
+    assert rows, f"{section} produced no rows"
+    failed = [r.name for r in rows if r.name.startswith("FAILED")]
+    assert not failed, failed
+    assert all(isinstance(r, Row) and math.isfinite(r.value) for r in rows), [r for r in rows if not math.isfinite(r.value)]
+
+
+def test_a_failing_section_is_reported_as_a_row_not_raised():
+    import io
+    rows = run([("99 broken", "course_utils.bench.no_such_module")], BenchContext(reduced=True), stream=io.StringIO())
+    assert len(rows) == 1 and rows[0].name.startswith("FAILED") and math.isnan(rows[0].value)
+    assert "FAILED" in format_table(rows)
