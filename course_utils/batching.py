@@ -266,8 +266,7 @@ def _check_workload(lengths, slots: int) -> list[int]:
     lengths = [int(x) for x in lengths]
     if not lengths or min(lengths) < 1:
         raise ValueError("lengths must be a non-empty list of output lengths >= 1")
-    if not isinstance(slots, (int, np.integer)) or slots < 1:
-        raise ValueError(f"slots must be a positive integer, got {slots!r}")
+    check_positive_int("slots", int(slots) if isinstance(slots, np.integer) else slots)
     return lengths
 
 

@@ -22,6 +22,7 @@ import torch
 
 from .models import resolve_device
 from .peak_rss import PeakSampler
+from .validation import check_non_negative_int, check_positive_int
 
 
 @dataclass
@@ -65,10 +66,8 @@ def synchronize(device) -> None:
 
 
 def _check_counts(warmup: int, repeats: int) -> None:
-    if not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an integer >= 0, got {warmup!r}")
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an integer >= 1, got {repeats!r}")
+    check_non_negative_int("warmup", warmup)
+    check_positive_int("repeats", repeats)
 
 
 def time_call(fn: Callable[[], Any], *, warmup: int = 1, repeats: int = 5, device="cpu") -> Timing:

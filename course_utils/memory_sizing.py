@@ -104,13 +104,8 @@ def weight_bits_per_element(precision) -> float:
     return float(_bits(precision, WEIGHT_BITS))
 
 
-def kv_elements_per_token(config) -> int:
-    """Numbers cached per token: 2 (K and V) x layers x kv_heads x head_dim (:attr:`ModelDims.kv_elements_per_token`)."""
-    return model_dims(config).kv_elements_per_token
-
-
 def _kv_bytes_per_token(config, precision) -> Fraction:
-    return kv_elements_per_token(config) * _bits(precision, KV_BITS) / 8
+    return model_dims(config).kv_elements_per_token * _bits(precision, KV_BITS) / 8
 
 
 def kv_bytes_per_token(config, dtype="fp16") -> int | float:

