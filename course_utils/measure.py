@@ -5,7 +5,9 @@
 * :func:`peak_memory` -- the device allocator's peak on a GPU; on the CPU the peak
   increase of the process's resident set (RSS) over its value just before the call,
   sampled by a background thread while the call runs (portable: ``psutil``).
-* :func:`measure_bandwidth` -- bytes per second of a large read on this machine.
+* :func:`measure_bandwidth` -- bytes per second of a large read on this machine (the memory
+  roof; :func:`bandwidth_samples_Bps` keeps every run, for the spread);
+* :func:`measure_matmul_flops` -- FLOP/s of a large matrix product (the compute roof).
 """
 from __future__ import annotations
 
@@ -190,11 +192,13 @@ def peak_memory(fn: Callable[[], Any], *, device="cpu", interval_s: float = 0.00
     return PeakMemory(max(0, peak - before), before, str(dev), how, result)
 
 
-def measure_bandwidth(*, nbytes: int = 256 * 2**20, device="cpu", repeats: int = 7) -> float:
-    """Read bandwidth in bytes/second: the median time to sum a ``nbytes`` float32 tensor.
+def bandwidth_samples_Bps(*, nbytes: int = 256 * 2**20, device="cpu", repeats: int = 7) -> list[float]:
+    """Read bandwidth in bytes/second of each of ``repeats`` timed sums of a ``nbytes`` float32 tensor.
 
     256 MiB is far larger than any CPU cache, so the sum streams from main memory. A
     reduction does one add per 4-byte element, so it is bound by memory, not arithmetic.
+    The runs differ because other processes share the memory bus and the cores (on a laptop
+    or a shared host, a lot): report their spread beside the median.
     """
     if nbytes < 2**20:
         raise ValueError(f"nbytes must be at least 1 MiB to measure memory, not cache; got {nbytes}")
@@ -202,4 +206,24 @@ def measure_bandwidth(*, nbytes: int = 256 * 2**20, device="cpu", repeats: int =
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=dev)
     t = time_call(lambda: x.sum(), warmup=2, repeats=repeats, device=dev)
     del x
-    return (nbytes // 4) * 4 / t.median_s
+    return [(nbytes // 4) * 4 / s for s in t.samples_s]
+
+
+def measure_bandwidth(*, nbytes: int = 256 * 2**20, device="cpu", repeats: int = 7) -> float:
+    """Read bandwidth in bytes/second: the median of :func:`bandwidth_samples_Bps`."""
+    return statistics.median(bandwidth_samples_Bps(nbytes=nbytes, device=device, repeats=repeats))
+
+
+def measure_matmul_flops(*, n: int = 1024, dtype=torch.float32, device="cpu", repeats: int = 5) -> float:
+    """The compute roof: floating-point operations per second of an ``n x n`` by ``n x n`` matrix product.
+
+    2 n³ FLOPs on 3 n² numbers: far more arithmetic than bytes, so it is bound by the cores, not
+    by memory. The median of ``repeats`` runs after a warm-up.
+    """
+    check_positive_int("n", n)
+    dev = resolve_device(device)
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(n, n, generator=gen).to(dev, dtype)
+    b = torch.randn(n, n, generator=gen).to(dev, dtype)
+    t = time_call(lambda: a @ b, warmup=1, repeats=repeats, device=dev)
+    return 2 * n ** 3 / t.median_s

@@ -72,3 +72,12 @@ def test_bandwidth_is_positive_and_rejects_tiny_buffers():
     assert 1e8 < bw < 1e13
     with pytest.raises(ValueError, match="at least 1 MiB"):
         measure_bandwidth(nbytes=1024)
+
+
+def test_bandwidth_samples_and_compute_roof_are_positive_rates():
+    from course_utils.measure import bandwidth_samples_Bps, measure_matmul_flops
+    samples = bandwidth_samples_Bps(nbytes=2**21, repeats=3)
+    assert len(samples) == 3 and all(s > 0 for s in samples)
+    assert measure_matmul_flops(n=64, repeats=2) > 0
+    with pytest.raises(ValueError, match="n must be"):
+        measure_matmul_flops(n=0)
