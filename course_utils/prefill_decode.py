@@ -7,6 +7,15 @@
   depends on C (:func:`decode_sweep`). Its floor is the bytes it must read over the bandwidth
   (:func:`decode_step_bytes`, :func:`decode_floor_s`).
 
+The roofline puts both phases on one chart: a pass needs ``flops`` operations and moves
+``bytes`` through memory, so on a machine with a compute roof (FLOP/s of a large matrix
+product) and a memory roof (bytes/s) it takes at least ``max(flops / peak, bytes / bandwidth)``
+(:func:`roofline_s`). Which roof binds depends on the arithmetic intensity, FLOP per byte
+(:func:`arithmetic_intensity`): below the ridge (:func:`ridge_intensity`) memory sets the
+floor, above it compute. :func:`forward_flops` and :func:`prefill_bytes` /
+:func:`decode_step_bytes` give a pass's two counts; chapter 04 uses the same functions for
+a batch of decode steps.
+
 The serving metrics are computed from the arrival times of a streamed generation, with the
 definitions serving benchmarks (vLLM's ``benchmarks/serve.py``) use:
 
@@ -29,12 +38,12 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from .kv_cache import decode_one_token, prefill
+from .kv_cache import attention_macs, decode_one_token, prefill, weight_macs_per_token
 from .measure import Timing, synchronize, time_call
 from .models import model_dims
 from .progress import progress_bar
 from .prompts import chat_prompt_ids
-from .validation import check_non_negative_int, check_positive_int
+from .validation import check_finite, check_non_negative_int, check_positive_int
 
 
 # --- timing the two phases ----------------------------------------------------------------------
@@ -156,6 +165,68 @@ def decode_step_bytes(model, context_tokens: int = 0, *, batch: int = 1) -> int:
     rows = 0 if any(m.data_ptr() == embed.data_ptr() for m in matrices) else batch * embed.shape[1] * embed.element_size()
     kv = batch * context_tokens * model_dims(model.config).kv_elements_per_token * embed.element_size()
     return sum(p.nbytes for p in matrices + vectors) + rows + kv
+
+
+def prefill_bytes(model, prompt_tokens: int, *, batch: int = 1) -> int:
+    """Bytes a prefill of ``prompt_tokens`` tokens (per sequence) must move at least (chapter 02).
+
+    The weights once (as for a decode step), one embedding row per prompt token (when the table
+    is not the LM head), and the keys and values it writes for every prompt token.
+    """
+    check_positive_int("prompt_tokens", prompt_tokens)
+    check_positive_int("batch", batch)
+    element = model.get_input_embeddings().weight.element_size()
+    written = batch * prompt_tokens * model_dims(model.config).kv_elements_per_token * element
+    return decode_step_bytes(model, 0, batch=batch * prompt_tokens) + written
+
+
+def forward_flops(model, new_tokens: int, context_tokens: int = 0, *, batch: int = 1) -> int:
+    """Floating-point operations (2 per multiply-accumulate) of one forward pass (chapter 02).
+
+    ``new_tokens`` tokens per sequence through every weight matrix, each attending to
+    ``context_tokens`` cached positions plus the new ones (the full rectangle, as the kernels
+    compute it); ``batch`` sequences. Prefill: ``forward_flops(model, P)``; a decode step at
+    context C: ``forward_flops(model, 1, C)``. Equals twice chapter 01's ``step_macs``.
+    """
+    check_positive_int("new_tokens", new_tokens)
+    check_non_negative_int("context_tokens", context_tokens)
+    check_positive_int("batch", batch)
+    dims = model_dims(model.config)
+    macs = new_tokens * weight_macs_per_token(model) + attention_macs(new_tokens, context_tokens + new_tokens, dims)
+    return 2 * batch * macs
+
+
+def arithmetic_intensity(flops: float, bytes_moved: float) -> float:
+    """FLOP per byte moved through memory: where a pass sits on the roofline's x axis."""
+    check_finite("flops", flops, minimum=0)
+    check_finite("bytes_moved", bytes_moved, minimum=0, strict=True)
+    return flops / bytes_moved
+
+
+def ridge_intensity(peak_flops: float, bandwidth_Bps: float) -> float:
+    """The intensity (FLOP/byte) where the two roofs meet: below it memory binds, above it compute."""
+    check_finite("peak_flops", peak_flops, minimum=0, strict=True)
+    check_finite("bandwidth_Bps", bandwidth_Bps, minimum=0, strict=True)
+    return peak_flops / bandwidth_Bps
+
+
+def attainable_flops(intensity: float, *, peak_flops: float, bandwidth_Bps: float) -> float:
+    """The roofline: the most FLOP/s a pass of this intensity can reach, min(peak, intensity x bandwidth)."""
+    check_finite("intensity", intensity, minimum=0)
+    ridge_intensity(peak_flops, bandwidth_Bps)           # validates both roofs
+    return min(peak_flops, intensity * bandwidth_Bps)
+
+
+def roofline_s(flops: float, bytes_moved: float, *, peak_flops: float, bandwidth_Bps: float) -> float:
+    """Lower bound of a pass's seconds: max(flops / peak_flops, bytes_moved / bandwidth_Bps).
+
+    The roofline model: the pass can go no faster than its arithmetic at the compute roof,
+    nor than its bytes at the memory roof (the two overlap at best).
+    """
+    check_finite("flops", flops, minimum=0)
+    check_finite("bytes_moved", bytes_moved, minimum=0)
+    ridge_intensity(peak_flops, bandwidth_Bps)
+    return max(flops / peak_flops, bytes_moved / bandwidth_Bps)
 
 
 def matvec_pass(matrices: list[torch.Tensor]) -> Callable[[], list]:

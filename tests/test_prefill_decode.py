@@ -172,3 +172,43 @@ def test_latency_figure_predicts_from_measurements():
     with pytest.raises(ValueError, match="measured lengths"):
         pd.latency_figure(100, 11, prefill_s=prefill_s, tpot=0.1)
     assert math.isclose(fig.data[1].y[0], 0.2)
+
+
+# --- the roofline ----------------------------------------------------------------------------------------------
+
+def test_forward_flops_are_twice_the_mac_formula_and_the_flop_counter(tiny_model):
+    from course_utils.kv_cache import counted_macs, step_macs, weight_macs_per_token
+    dims, w = model_dims(tiny_model.config), weight_macs_per_token(tiny_model)
+    assert pd.forward_flops(tiny_model, 9) == 2 * step_macs(9, dims, w, cached=False)
+    assert pd.forward_flops(tiny_model, 1, 8) == 2 * step_macs(9, dims, w, cached=True)
+    assert pd.forward_flops(tiny_model, 1, 8, batch=3) == 3 * pd.forward_flops(tiny_model, 1, 8)
+    ids = torch.arange(1, 10).unsqueeze(0)
+    assert 2 * counted_macs(tiny_model, lambda: tiny_model(ids, use_cache=False)) == pd.forward_flops(tiny_model, 9)
+    for bad in [(0, 0), (1, -1)]:
+        with pytest.raises(ValueError):
+            pd.forward_flops(tiny_model, *bad)
+
+
+def test_prefill_bytes_are_weights_once_rows_and_the_keys_values_written(tiny_model):
+    dims = model_dims(tiny_model.config)
+    embed = tiny_model.get_input_embeddings().weight
+    tied = tiny_model.config.tie_word_embeddings
+    one = pd.prefill_bytes(tiny_model, 1)
+    assert pd.prefill_bytes(tiny_model, 11) - one == 10 * (dims.kv_elements_per_token * 4 + (0 if tied else embed[0].nbytes))
+    assert one == pd.decode_step_bytes(tiny_model, 0) + dims.kv_elements_per_token * 4
+
+
+def test_roofline_takes_the_binding_roof():
+    peak, bw = 100e9, 10e9                              # ridge at 10 FLOP/byte
+    assert pd.ridge_intensity(peak, bw) == 10
+    assert pd.arithmetic_intensity(50, 100) == 0.5
+    assert pd.roofline_s(1e9, 1e9, peak_flops=peak, bandwidth_Bps=bw) == pytest.approx(0.1)    # memory-bound
+    assert pd.roofline_s(1e12, 1e9, peak_flops=peak, bandwidth_Bps=bw) == pytest.approx(10.0)  # compute-bound
+    assert pd.attainable_flops(1, peak_flops=peak, bandwidth_Bps=bw) == 10e9
+    assert pd.attainable_flops(1000, peak_flops=peak, bandwidth_Bps=bw) == peak
+    with pytest.raises(ValueError):
+        pd.roofline_s(1e9, 1e9, peak_flops=0, bandwidth_Bps=bw)
+    with pytest.raises(ValueError):
+        pd.arithmetic_intensity(1.0, 0)
+    with pytest.raises(ValueError):
+        pd.attainable_flops(float("nan"), peak_flops=peak, bandwidth_Bps=bw)
