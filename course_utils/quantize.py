@@ -19,17 +19,21 @@ Chapter 05 measures these schemes on every projection matrix of a model
 (:func:`matrix_errors`), swaps them into a loaded model and back
 (:class:`WeightQuantizer`, reused by chapters 07 and 08), counts their bits
 (:func:`bits_per_weight`, :data:`GGUF_FORMATS`) and improves on round-to-nearest with
-activation-aware scaling calibrated on real text (:func:`awq_search`).
+activation-aware scaling calibrated on real text (:func:`awq_search`): one scale vector per
+input that several projections read (:data:`AWQ_GROUPS`), folded into the norm or projection
+in front of them (:func:`awq_folded`). For a whole model, :func:`awq_model_scales` returns the
+``input_scales`` that :meth:`WeightQuantizer.apply` takes (chapter 07 evaluates the result).
 """
 from __future__ import annotations
 
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from .hooks import capture_inputs, layer_projections, projection_modules
+from .hooks import capture_inputs, decoder_layers, projection_modules
 from .progress import progress_bar
 from .prompts import TextSplit, token_ids
 from .validation import check_positive_int
@@ -623,7 +627,11 @@ class WeightQuantizer:
 # --- activation-aware scaling (AWQ-style) ---------------------------------------------------
 
 def output_error(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    """``||x W^T - x W_hat^T|| / ||x W^T||`` for inputs ``x`` (n, in_features): a layer's output error."""
+    """``||x W^T - x W_hat^T|| / ||x W^T||`` for inputs ``x`` (n, in_features): a layer's output error.
+
+    For projections that read the same input, pass their matrices stacked along the rows
+    (``torch.cat([w_q, w_k, w_v])``): the result is the relative error of all their outputs together.
+    """
     if x.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x must be (n_tokens, {w.shape[1]}), got {tuple(x.shape)}")
     x, w = x.float(), w.detach().float()
@@ -635,8 +643,8 @@ def scaled_fake_quantize(w: torch.Tensor, s: torch.Tensor, scheme: Scheme) -> to
     """Quantize ``W diag(s)`` and undo the scaling: ``Q(W * s) / s`` (s: (in_features,), positive).
 
     In a deployed model ``1/s`` is folded into whatever produces the layer's input (a norm's
-    weight, the previous projection), so the layer computes ``(x / s) Q(W * s)^T``; this
-    function returns the equivalent weight matrix.
+    weight, the previous projection's rows: :func:`awq_folded`), so the layer computes
+    ``(x / s) Q(W * s)^T``; this function returns the equivalent weight matrix.
     """
     if s.dim() != 1 or s.shape[0] != w.shape[1] or not (s > 0).all():
         raise ValueError(f"s must be a positive vector of length in_features={w.shape[1]}")
@@ -666,53 +674,292 @@ def awq_scales(act_mean_abs: torch.Tensor, alpha: float) -> torch.Tensor:
     return s / (s.max() * s.min()).sqrt()
 
 
+def _matrices(w) -> list[torch.Tensor]:
+    ws = [w] if isinstance(w, torch.Tensor) else list(w)
+    if not ws or not all(isinstance(m, torch.Tensor) and m.dim() == 2 for m in ws):
+        raise ValueError("w must be a 2-D weight matrix or a non-empty list of them")
+    if len({m.shape[1] for m in ws}) != 1:
+        raise ValueError(f"matrices that share an input need the same in_features, got {[tuple(m.shape) for m in ws]}")
+    return [m.detach().float().cpu() for m in ws]
+
+
+def _scaled_stack(ws: list[torch.Tensor], s: torch.Tensor, scheme: Scheme) -> torch.Tensor:
+    """Each matrix quantized on its own with the shared scales ``s``, stacked along the rows."""
+    return torch.cat([scaled_fake_quantize(m, s, scheme) for m in ws])
+
+
+def _stacked_error(x: torch.Tensor, y: torch.Tensor, w_hat: torch.Tensor) -> float:
+    return ((y - x @ w_hat.T).norm() / y.norm()).item()
+
+
 @torch.no_grad()
-def awq_search(x_calib: torch.Tensor, w: torch.Tensor, scheme: Scheme, *, n_grid: int = 20,
+def awq_search(x_calib: torch.Tensor, w, scheme: Scheme, *, n_grid: int = 20,
                x_eval: torch.Tensor | None = None) -> AwqFit:
     """Activation-aware scaling (Lin et al. 2024, AWQ): the search over one exponent.
 
     Input channels that carry large activations matter more, so scale their weight columns
     up before rounding (their weights get finer steps, relative to their size) and the
-    inputs down by the same factor: ``s = mean|x|^alpha`` (:func:`awq_scales`). The exponent
-    is chosen on the calibration inputs ``x_calib`` (n, in_features) to minimise
-    :func:`output_error`; alpha = 0 is round-to-nearest, so calibration can only help on the
-    calibration data. ``x_eval`` (other text), if given, is measured at every alpha too.
+    inputs down by the same factor: ``s = mean|x|^alpha`` (:func:`awq_scales`), alpha on the
+    grid 0, 1/n_grid, ..., 1. ``w`` is one matrix (out_features, in_features) or a list of
+    matrices that read the same input (q, k and v behind one norm): they get **one** ``s``,
+    because one vector ``1/s`` is all the norm in front of them can absorb, and alpha minimises
+    their outputs' error together (:func:`output_error` of the stacked matrices) on
+    ``x_calib`` (n, in_features). alpha = 0 is round-to-nearest, so calibration can only help on
+    the calibration data; ``x_eval`` (other text), if given, is measured at every alpha too.
     """
+    ws = _matrices(w)
+    check_positive_int("n_grid", n_grid)
     for name, x in (("x_calib", x_calib), ("x_eval", x_eval)):
-        if x is not None and (x.dim() != 2 or x.shape[1] != w.shape[1]):
-            raise ValueError(f"{name} must be (n_tokens, {w.shape[1]}), got {tuple(x.shape)}")
-    act = x_calib.float().abs().mean(0)
+        if x is not None and (x.dim() != 2 or x.shape[1] != ws[0].shape[1]):
+            raise ValueError(f"{name} must be (n_tokens, {ws[0].shape[1]}), got {tuple(x.shape)}")
+    stacked = torch.cat(ws)
+    x_cal = x_calib.float().cpu()
+    y_cal = x_cal @ stacked.T
+    x_ev = None if x_eval is None else x_eval.float().cpu()
+    y_ev = None if x_ev is None else x_ev @ stacked.T
+    act = x_cal.abs().mean(0)
     alphas = [i / n_grid for i in range(n_grid + 1)]
     errors, eval_errors, best = [], [], (math.inf, 0.0, None)
     for alpha in alphas:
         s = awq_scales(act, alpha)
-        w_hat = scaled_fake_quantize(w, s, scheme)
-        errors.append(output_error(x_calib, w, w_hat))
-        if x_eval is not None:
-            eval_errors.append(output_error(x_eval, w, w_hat))
+        w_hat = _scaled_stack(ws, s, scheme)
+        errors.append(_stacked_error(x_cal, y_cal, w_hat))
+        if x_ev is not None:
+            eval_errors.append(_stacked_error(x_ev, y_ev, w_hat))
         if errors[-1] < best[0]:
             best = (errors[-1], alpha, s)
     return AwqFit(best[1], best[2], alphas, errors, eval_errors if x_eval is not None else None)
 
 
+# --- AWQ on a whole model ---------------------------------------------------------------------
+
+#: Where the inputs of a llama / qwen2 decoder layer's projections come from (names inside the layer):
+#: (the module whose output is the input, the projections that read it). One scale vector per input:
+#: its ``1/s`` folds into that module (a norm's weight vector, or a projection's output rows).
+AWQ_GROUPS = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("self_attn.v_proj", ("self_attn.o_proj",)),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+    ("mlp.up_proj", ("mlp.down_proj",)),
+)
+
+GQA_SKIP = ("grouped-query attention: one value channel feeds several inputs of o_proj (one per query head "
+            "sharing it), so a scale per o_proj input cannot fold into v_proj's rows; llm-awq and AutoAWQ "
+            "skip o_proj then, and so does this search (round-to-nearest)")
+
+
+@dataclass
+class AwqGroup:
+    """The projections of one layer that read one input, and the scale they share (chapter 05).
+
+    ``fold_into``: full name of the module whose output they read; ``1/s`` folds into its weight
+    (an RMSNorm's vector, or a projection's output rows and bias). ``names``: the projections, full
+    names. ``fit``: the search's result (``None`` when the group is skipped, with the reason in
+    ``skipped``). ``heldout``: output errors on held-out text, ``{"rtn": ..., "awq": ...}``.
+    """
+
+    layer: int
+    fold_into: str
+    names: tuple[str, ...]
+    fit: AwqFit | None = None
+    skipped: str = ""
+    heldout: dict | None = None
+
+    @property
+    def label(self) -> str:
+        """``"q_proj, k_proj, v_proj"``: the projections' short names."""
+        return ", ".join(n.rsplit(".", 1)[-1] for n in self.names)
+
+
+def awq_groups(model, layers=None) -> list[AwqGroup]:
+    """The :data:`AWQ_GROUPS` of each decoder layer in ``layers`` (default: all), unfitted.
+
+    o_proj is marked skipped where v_proj's outputs are fewer than o_proj's inputs (GQA:
+    :data:`GQA_SKIP`). Raises ``ValueError`` for a model whose layers do not have these modules.
+    """
+    blocks = decoder_layers(model)
+    chosen = range(len(blocks)) if layers is None else list(layers)
+    prefix = {id(m): name for name, m in model.named_modules()}
+    groups = []
+    for i in chosen:
+        if not isinstance(i, int) or not 0 <= i < len(blocks):
+            raise ValueError(f"layers must be indices 0..{len(blocks) - 1}, got {i!r}")
+        block, base = blocks[i], prefix[id(blocks[i])]
+        subs = dict(block.named_modules())
+        for src, names in AWQ_GROUPS:
+            missing = [n for n in (src, *names) if n not in subs]
+            if missing:
+                raise ValueError(f"AWQ's groups need a llama/qwen2 decoder layer; layer {i} has no {missing}")
+            skipped = ""
+            if src.endswith("v_proj") and subs[src].out_features != subs[names[0]].in_features:
+                skipped = GQA_SKIP
+            groups.append(AwqGroup(i, f"{base}.{src}", tuple(f"{base}.{n}" for n in names), skipped=skipped))
+    return groups
+
+
+def _weights(model, group: AwqGroup) -> list[torch.Tensor]:
+    mods = dict(model.named_modules())
+    return [mods[n].weight.detach().float().cpu() for n in group.names]
+
+
+@torch.no_grad()
+def _each_layer_inputs(model, groups: list[AwqGroup], input_ids: torch.Tensor, fn, *, progress: bool) -> None:
+    """One forward pass over ``input_ids``; when a decoder layer finishes, ``fn(layer, {name: x})``
+    receives what each group's first projection read in it ((n_tokens, in_features), float32, CPU),
+    which is then dropped: only one layer's inputs are held at a time."""
+    mods, blocks = dict(model.named_modules()), decoder_layers(model)
+    got: dict[str, torch.Tensor] = {}
+    layers = sorted({g.layer for g in groups})
+    bar = progress_bar(None, "AWQ, layer by layer", enabled=progress, total=len(layers))
+
+    def keep(_m, args, name):
+        got[name] = args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu()
+
+    def done(_m, _args, _out, layer):
+        fn(layer, got)
+        got.clear()
+        bar.update(1)
+
+    hooks = [mods[g.names[0]].register_forward_pre_hook(lambda m, a, name=g.names[0]: keep(m, a, name))
+             for g in groups]
+    hooks += [blocks[i].register_forward_hook(lambda m, a, o, layer=i: done(m, a, o, layer)) for i in layers]
+    try:
+        model(input_ids.to(model.device), use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+        bar.close()
+
+
+def _check_token_ids(name: str, ids) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.numel() == 0 or ids.is_floating_point():
+        raise ValueError(f"{name} must be a (batch, n_tokens) tensor of token ids, "
+                         f"got {getattr(ids, 'shape', type(ids).__name__)}")
+
+
+@torch.no_grad()
+def awq_model_fits(model, calib_ids: torch.Tensor, scheme: Scheme, *, heldout_ids: torch.Tensor | None = None,
+                   layers=None, n_grid: int = 20, progress: bool = False) -> list[AwqGroup]:
+    """AWQ-style scales for every shared input of every decoder layer (or of ``layers``).
+
+    ``calib_ids`` (batch, n_tokens): the calibration text, read in one forward pass of the
+    unchanged model; each group's scale comes from :func:`awq_search` on the inputs its
+    projections read there. ``heldout_ids``, if given, is read in a second pass to measure
+    each group's output error with round-to-nearest and with the chosen scale (``heldout``).
+    Skipped groups (o_proj under GQA) keep ``fit=None`` and are measured with RTN only.
+    """
+    if not isinstance(scheme, Scheme):
+        raise TypeError(f"expected a Scheme, got {type(scheme).__name__}")
+    _check_token_ids("calib_ids", calib_ids)
+    if heldout_ids is not None:
+        _check_token_ids("heldout_ids", heldout_ids)
+    check_positive_int("n_grid", n_grid)
+    groups = awq_groups(model, layers)
+
+    def calibrate(layer, inputs):
+        for g in groups:
+            if g.layer == layer and not g.skipped:
+                g.fit = awq_search(inputs[g.names[0]], _weights(model, g), scheme, n_grid=n_grid)
+
+    def measure(layer, inputs):
+        for g in groups:
+            if g.layer == layer:
+                g.heldout = _heldout_errors(inputs[g.names[0]], _weights(model, g), g, scheme)
+
+    _each_layer_inputs(model, groups, calib_ids, calibrate, progress=progress)
+    if heldout_ids is not None:
+        _each_layer_inputs(model, groups, heldout_ids, measure, progress=progress)
+    return groups
+
+
+def _heldout_errors(x: torch.Tensor, ws: list[torch.Tensor], group: AwqGroup, scheme: Scheme) -> dict:
+    y = x @ torch.cat(ws).T
+    rtn = _stacked_error(x, y, torch.cat([fake_quantize(m, scheme) for m in ws]))
+    awq = rtn if group.fit is None else _stacked_error(x, y, _scaled_stack(ws, group.fit.scales, scheme))
+    return {"rtn": rtn, "awq": awq}
+
+
+def awq_input_scales(groups: list[AwqGroup]) -> dict[str, torch.Tensor]:
+    """``{projection name: s}`` of every fitted group, for ``WeightQuantizer.apply(scheme, input_scales=...)``.
+
+    The projections of one group get the same tensor.
+    """
+    return {name: g.fit.scales for g in groups if g.fit is not None for name in g.names}
+
+
+def awq_model_scales(model, tok, split: TextSplit, scheme: Scheme, *, n_tokens: int = 512, n_grid: int = 20,
+                     progress: bool = False) -> dict[str, torch.Tensor]:
+    """AWQ-style input scales for a whole model, calibrated on ``split.train`` (chapter 05; used by chapter 07).
+
+    ``split``: the course's one split (:func:`course_utils.prompts.book_split`); the first
+    ``n_tokens`` tokens of ``split.train`` calibrate, so ``split.heldout`` stays unseen. Returns
+    ``{projection name: (in_features,) scales}`` for :meth:`WeightQuantizer.apply`::
+
+        scales = awq_model_scales(model, tok, book_split(), scheme)
+        WeightQuantizer(model).apply(scheme, input_scales=scales)
+
+    Projections that read one input share one vector (q/k/v, gate/up), which folds into the norm
+    or projection in front of them (:func:`awq_folded`): the stored model has no extra numbers.
+    o_proj under grouped-query attention gets none (:data:`GQA_SKIP`).
+    """
+    check_positive_int("n_tokens", n_tokens)
+    ids = token_ids(tok, split.train, n_tokens)
+    return awq_input_scales(awq_model_fits(model, ids, scheme, n_grid=n_grid, progress=progress))
+
+
+@contextmanager
+def awq_folded(model, groups: list[AwqGroup]):
+    """Inside the ``with``: each fitted group's scales moved into the model's weights, as a file stores them.
+
+    The projections' columns are multiplied by ``s`` and the module in front of them divided by
+    ``s`` (an RMSNorm's weight vector; a projection's output rows and bias). The model computes
+    the same function (up to float rounding); quantizing its projections with plain round-to-nearest
+    then equals ``WeightQuantizer.apply(scheme, input_scales=...)`` for per-row and per-group
+    schemes, whose blocks lie within one row (a row scaled by a constant keeps its codes).
+    Every touched tensor is put back bit for bit on exit.
+    """
+    mods = dict(model.named_modules())
+    fitted = [g for g in groups if g.fit is not None]
+    touched = {id(t): t for g in fitted for n in (g.fold_into, *g.names)
+               for t in (getattr(mods[n], "weight", None), getattr(mods[n], "bias", None)) if t is not None}
+    saved = {k: t.detach().clone() for k, t in touched.items()}
+    try:
+        with torch.no_grad():
+            for g in fitted:
+                src = mods[g.fold_into]
+                s = g.fit.scales.to(src.weight.device)
+                if src.weight.dim() == 1:                        # a norm: y = weight * x / rms(x)
+                    src.weight.div_(s.to(src.weight.dtype))
+                else:                                            # a projection: its output rows
+                    src.weight.div_(s.to(src.weight.dtype)[:, None])
+                    if getattr(src, "bias", None) is not None:
+                        src.bias.div_(s.to(src.bias.dtype))
+                for n in g.names:
+                    mods[n].weight.mul_(s.to(mods[n].weight.dtype))
+        yield model
+    finally:
+        with torch.no_grad():
+            for k, t in touched.items():
+                t.copy_(saved[k])
+
+
 @torch.no_grad()
 def awq_layer(model, tok, split: TextSplit, scheme: Scheme, *, layer: int | None = None, n_tokens: int = 512,
-              progress: bool = False) -> list[dict]:
-    """AWQ vs round-to-nearest on every projection of one layer, at the same scheme.
+              n_grid: int = 20, progress: bool = False) -> list[AwqGroup]:
+    """AWQ vs round-to-nearest on each shared input of one layer (default: the middle one), with curves.
 
     Calibrates on the first ``n_tokens`` of ``split.train`` and measures on the first
     ``n_tokens`` of ``split.heldout`` (the course's one split, :func:`course_utils.prompts.book_split`).
-    One dict per projection: name, alpha, RTN and AWQ output errors on both pieces, and the
-    :class:`AwqFit` (with the held-out curve).
+    Each fitted group's :class:`AwqFit` carries the held-out error at every alpha (``eval_errors``).
     """
-    mods = layer_projections(model, layer)
+    chosen = len(decoder_layers(model)) // 2 if layer is None else layer
+    groups = awq_groups(model, [chosen])
+    mods = {n: m for g in groups for n, m in dict(model.named_modules()).items() if n == g.names[0]}
     x_cal = capture_inputs(model, mods, token_ids(tok, split.train, n_tokens))
     x_held = capture_inputs(model, mods, token_ids(tok, split.heldout, n_tokens))
-    rows = []
-    for name, mod in progress_bar(mods.items(), "AWQ search", enabled=progress):
-        w = mod.weight.detach().float().cpu()
-        fit = awq_search(x_cal[name], w, scheme, x_eval=x_held[name])
-        best = fit.alphas.index(fit.alpha)
-        rows.append({"name": name, "alpha": fit.alpha, "rtn_calib": fit.errors[0], "awq_calib": fit.errors[best],
-                     "rtn_heldout": fit.eval_errors[0], "awq_heldout": fit.eval_errors[best], "fit": fit})
-    return rows
+    for g in progress_bar(groups, "AWQ search", enabled=progress):
+        ws = _weights(model, g)
+        if not g.skipped:
+            g.fit = awq_search(x_cal[g.names[0]], ws, scheme, n_grid=n_grid, x_eval=x_held[g.names[0]])
+        g.heldout = _heldout_errors(x_held[g.names[0]], ws, g, scheme)
+    return groups

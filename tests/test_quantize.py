@@ -287,6 +287,145 @@ def test_awq_never_worse_than_rtn_on_calibration_and_helps_on_salient_channels()
     assert fit.alpha > 0 and fit.eval_errors[best] < fit.eval_errors[0]
 
 
+def test_awq_search_gives_matrices_that_share_an_input_one_scale():
+    x, w = _salient_problem()
+    torch.manual_seed(1)
+    w2 = torch.randn(16, 64) * 0.1
+    scheme = Scheme("absmax", 3, "group", 16)
+    fit = Q.awq_search(x[:128], [w, w2], scheme, x_eval=x[128:])
+    assert fit.scales.shape == (64,)
+    stacked_rtn = torch.cat([Q.fake_quantize(w, scheme), Q.fake_quantize(w2, scheme)])
+    assert fit.errors[0] == pytest.approx(Q.output_error(x[:128], torch.cat([w, w2]), stacked_rtn), rel=1e-5)
+    best = fit.alphas.index(fit.alpha)
+    shared = torch.cat([Q.scaled_fake_quantize(w, fit.scales, scheme), Q.scaled_fake_quantize(w2, fit.scales, scheme)])
+    assert fit.errors[best] == pytest.approx(Q.output_error(x[:128], torch.cat([w, w2]), shared), rel=1e-5)
+    assert fit.alpha > 0 and fit.eval_errors[best] < fit.eval_errors[0]
+
+
+def _tiny_mha():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4,
+                                        tie_word_embeddings=False)).eval()
+
+
+def _spread_norms(model):
+    """Give the norms and inputs uneven channels, as trained models have (random init leaves them all 1)."""
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("layernorm.weight"):
+                p.copy_(torch.rand_like(p) * 3 + 0.1)
+
+
+def test_awq_groups_share_inputs_and_skip_o_proj_under_gqa(tiny_llama):
+    gqa = Q.awq_groups(tiny_llama)
+    assert [g.label for g in gqa[:4]] == ["q_proj, k_proj, v_proj", "o_proj", "gate_proj, up_proj", "down_proj"]
+    assert len(gqa) == 8 and [g.layer for g in gqa] == [0] * 4 + [1] * 4
+    assert gqa[0].fold_into == "model.layers.0.input_layernorm" and gqa[3].fold_into == "model.layers.0.mlp.up_proj"
+    assert gqa[1].skipped == Q.GQA_SKIP and not any(g.skipped for g in gqa if g is not gqa[1] and g is not gqa[5])
+    assert not any(g.skipped for g in Q.awq_groups(_tiny_mha(), [1]))
+
+
+def test_awq_model_fits_every_input_and_measures_held_out_text(tiny_qwen2):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (1, 48))
+    scheme = Scheme("absmax", 3, "group", 16)
+    groups = Q.awq_model_fits(tiny_qwen2, ids[:, :24], scheme, heldout_ids=ids[:, 24:], n_grid=4)
+    assert len(groups) == 8
+    for g in groups:
+        assert (g.fit is None) == bool(g.skipped)
+        assert g.heldout["rtn"] > 0 and g.heldout["awq"] > 0
+        if g.fit is None:
+            assert g.heldout["awq"] == g.heldout["rtn"]
+        else:
+            assert g.fit.alphas == [0, 0.25, 0.5, 0.75, 1.0] and min(g.fit.errors) <= g.fit.rtn_error
+    scales = Q.awq_input_scales(groups)
+    qkv = groups[0].names
+    assert scales[qkv[0]] is scales[qkv[1]] is scales[qkv[2]]       # one vector for the three
+    assert "model.layers.0.self_attn.o_proj" not in scales            # GQA: skipped
+    assert len(scales) == 12
+
+
+def test_awq_on_one_layer_matches_the_whole_model_search(tiny_llama):
+    class Chars:                                                      # a stand-in tokenizer: one id per character
+        def __call__(self, text, add_special_tokens=False, return_tensors="pt"):
+            return type("Enc", (), {"input_ids": torch.tensor([[ord(c) % 128 for c in text]])})()
+    split = Q.TextSplit("the calibration text " * 20, "some other held-out text " * 20)
+    scheme = Scheme("absmax", 4, "row")
+    one = Q.awq_layer(tiny_llama, Chars(), split, scheme, layer=1, n_tokens=64, n_grid=5)
+    ids = Chars()(split.train).input_ids[:, :64]
+    held = Chars()(split.heldout).input_ids[:, :64]
+    every = Q.awq_model_fits(tiny_llama, ids, scheme, heldout_ids=held, layers=[1], n_grid=5)
+    for a, b in zip(one, every):
+        assert a.names == b.names and (a.fit is None) == (b.fit is None)
+        assert a.heldout == pytest.approx(b.heldout, rel=1e-4)
+        if a.fit is not None:
+            assert a.fit.alpha == b.fit.alpha and len(a.fit.eval_errors) == 6
+    scales = Q.awq_model_scales(tiny_llama, Chars(), split, scheme, n_tokens=64, n_grid=5)
+    assert set(scales) == {n for g in Q.awq_groups(tiny_llama) if not g.skipped for n in g.names}
+
+
+@pytest.mark.parametrize("make", [_tiny_mha, "tiny_qwen2"])
+def test_awq_scales_fold_into_the_norms_and_projections(make, request):
+    model = make() if callable(make) else request.getfixturevalue(make)
+    _spread_norms(model)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (1, 32))
+    groups = Q.awq_model_fits(model, ids, Scheme("absmax", 4, "row"), n_grid=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = model(ids).logits
+    with Q.awq_folded(model, groups):
+        changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+        folded = model(ids).logits
+    assert any("layernorm" in k for k in changed) and any("up_proj" in k for k in changed)
+    assert torch.allclose(folded, ref, atol=1e-4, rtol=1e-4)                # the same function
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())   # put back bit for bit
+
+
+@pytest.mark.parametrize("scheme", [Scheme("absmax", 4, "row"), Scheme("absmax", 3, "group", 16)])
+def test_folded_scales_then_rtn_equal_quantizing_with_input_scales(scheme):
+    """Where a file stores the folded weights, plain RTN of them is what ``apply(input_scales=...)`` computes.
+    Powers of two make every scaling exact, so the two models agree to float rounding of the matmuls."""
+    model = _tiny_mha()
+    _spread_norms(model)
+    groups = Q.awq_groups(model)
+    gen = torch.Generator().manual_seed(3)
+    for g in groups:
+        n_in = dict(model.named_modules())[g.names[0]].in_features
+        s = 2.0 ** torch.randint(-3, 4, (n_in,), generator=gen).float()
+        g.fit = Q.AwqFit(0.5, s, [0.0, 0.5], [1.0, 0.5])
+    ids = torch.randint(0, 128, (1, 16), generator=gen)
+    wq = Q.WeightQuantizer(model)
+    wq.apply(scheme, input_scales=Q.awq_input_scales(groups))
+    emulated = model(ids).logits
+    wq.release()
+    with Q.awq_folded(model, groups):
+        wq.apply(scheme)
+        stored = model(ids).logits
+        wq.release()
+    assert torch.allclose(stored, emulated, atol=1e-5, rtol=1e-5)
+    wq.apply(scheme)
+    plain = model(ids).logits
+    wq.release()
+    assert not torch.allclose(plain, emulated, atol=1e-3)                      # the scales did change the weights
+
+
+def test_awq_bad_inputs(tiny_llama):
+    scheme = Scheme("absmax", 4, "row")
+    with pytest.raises(ValueError, match="token ids"):
+        Q.awq_model_fits(tiny_llama, torch.randn(1, 8), scheme)
+    with pytest.raises(TypeError, match="Scheme"):
+        Q.awq_model_fits(tiny_llama, torch.ones(1, 8, dtype=torch.long), "INT4")
+    with pytest.raises(ValueError, match="layers must be"):
+        Q.awq_groups(tiny_llama, [5])
+    with pytest.raises(ValueError, match="same in_features"):
+        Q.awq_search(torch.randn(4, 8), [torch.randn(2, 8), torch.randn(2, 6)], scheme)
+    with pytest.raises(ValueError, match="n_grid"):
+        Q.awq_search(torch.randn(4, 8), torch.randn(2, 8), scheme, n_grid=0)
+
+
 def test_scaled_fake_quantize_with_unit_scales_is_rtn():
     x, w = _salient_problem()
     scheme = Scheme("absmax", 4, "row")

@@ -28,12 +28,12 @@ def _scheme_rows(model):
 
 def _awq_rows(ctx, model, tok):
     scheme = Scheme("absmax", 4, "group", 64, pad=True)
-    awq = awq_layer(model, tok, book_split(), scheme, n_tokens=ctx.sizes(512, 64))
-    ratios = [r["awq_heldout"] / r["rtn_heldout"] for r in awq]
+    groups = [g for g in awq_layer(model, tok, book_split(), scheme, n_tokens=ctx.sizes(512, 64)) if g.fit]
+    ratios = [g.heldout["awq"] / g.heldout["rtn"] for g in groups]
     mean_ratio = sum(ratios) / len(ratios)
     yield Row(_SECTION, f"AWQ / RTN output error, held-out text, {scheme.name}", mean_ratio, "x", "< 1",
-              mean_ratio < 1, note=f"mean over the {len(awq)} projections of {awq[0]['name'].rsplit('.', 2)[0]}; "
-                                   f"range {min(ratios):.2f}-{max(ratios):.2f}")
+              mean_ratio < 1, note=f"mean over the {len(groups)} shared inputs of layer {groups[0].layer} "
+                                   f"({'; '.join(g.label for g in groups)}); range {min(ratios):.2f}-{max(ratios):.2f}")
 
 
 def _kernel_rows(ctx, model):
