@@ -275,6 +275,15 @@ def ngram_continuation(tokens: list[int], k: int, max_ngram: int = 2) -> list[in
     return []
 
 
+def lookup_prompts() -> list[dict]:
+    """Chapter 08's shipped n-gram-lookup prompts (``course_utils/data/lookup_prompts.json``): name, kind
+    (``"chat"``: through the chat template; ``"raw"``: plain text to continue), text, max_new_tokens."""
+    import json
+
+    from .data import DATA_DIR
+    return json.loads((DATA_DIR / "lookup_prompts.json").read_text(encoding="utf-8"))["prompts"]
+
+
 def copy_fraction(prompt: list[int], output: list[int], max_ngram: int = 2) -> float:
     """The share of ``output`` tokens that n-gram lookup would have guessed right as its first guess, given
     everything before them: the part of the answer that copies what came before it."""
