@@ -11,7 +11,10 @@ a causal mask, so keeping them is not an approximation.
 
 The arithmetic is counted in multiply-accumulates (MACs) by :func:`step_macs` and
 :func:`generation_macs`; chapter 01 checks these formulas against
-``torch.utils.flop_counter`` on the real model.
+``torch.utils.flop_counter`` on the real model. A recomputed step costs ``n * W`` MACs in the
+weights and a multiple of ``n**2`` in attention: :func:`attention_crossover_tokens` says from
+which context length the quadratic term is the larger, and :func:`power_law_slope` /
+:func:`local_slopes` read the growth off measured times instead of assuming it.
 """
 from __future__ import annotations
 
@@ -46,6 +49,11 @@ def _lap(device, t0: float, step_s: list | None) -> float:
     return t0
 
 
+def _last_logits_kwargs(model) -> dict:
+    """Ask for the last position's logits only, where the model supports it."""
+    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+
 @torch.no_grad()
 def greedy_recompute(model, input_ids: torch.Tensor, max_new_tokens: int, *,
                      step_s: list | None = None) -> torch.Tensor:
@@ -57,16 +65,12 @@ def greedy_recompute(model, input_ids: torch.Tensor, max_new_tokens: int, *,
     ids = input_ids
     t0 = time.perf_counter()
     for _ in range(max_new_tokens):
-        logits = model(ids, use_cache=False).logits            # (1, len, vocab): all positions, again
+        # every position through every layer, again; the LM head only for the last one (all the loop reads)
+        logits = model(ids, use_cache=False, **_last_logits_kwargs(model)).logits
         next_id = logits[:, -1].argmax(-1, keepdim=True)       # greedy: the most likely token
         ids = torch.cat([ids, next_id], dim=1)
         t0 = _lap(ids.device, t0, step_s)
     return ids[:, input_ids.shape[1]:]
-
-
-def _last_logits_kwargs(model) -> dict:
-    """Ask for the last position's logits only, where the model supports it."""
-    return {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
 
 
 @torch.no_grad()
@@ -115,7 +119,8 @@ def cache_nbytes(cache: DynamicCache) -> int:
 def step_seconds(model, token_ids: torch.Tensor, contexts, *, repeats: int = 3, device="cpu") -> dict:
     """Median seconds of one greedy step ending at each context length, both ways.
 
-    ``token_ids`` (1, >= max(contexts)) supplies the text. The cached step runs against a
+    Both compute the last position's logits only (what a greedy step reads). ``token_ids``
+    (1, >= max(contexts)) supplies the text. The cached step runs against a
     cache of ``n - 1`` positions (cropped back after every timed call, so each run sees the
     same length). Returns ``{"recompute": [...], "cached": [...]}`` in the order of ``contexts``.
     """
@@ -127,8 +132,8 @@ def step_seconds(model, token_ids: torch.Tensor, contexts, *, repeats: int = 3, 
     with torch.no_grad():
         for n in contexts:
             ids = token_ids[:, :n]
-            out["recompute"].append(time_call(lambda: model(ids, use_cache=False), warmup=1, repeats=repeats,
-                                              device=device).median_s)
+            out["recompute"].append(time_call(lambda: model(ids, use_cache=False, **_last_logits_kwargs(model)),
+                                              warmup=1, repeats=repeats, device=device).median_s)
             cache = DynamicCache(config=model.config)
             prefill(model, ids[:, :-1], cache)
 
@@ -203,43 +208,94 @@ def weight_macs_per_token(model) -> int:
     return total if tied else total - embed.numel()
 
 
-def attention_macs(n_queries: int, n_keys: int, dims: ModelDims) -> int:
+def lm_head_macs(dims: ModelDims) -> int:
+    """MACs of the LM head for one position: vocabulary x hidden size."""
+    if dims.vocab_size is None:
+        raise ValueError("dims needs vocab_size (use model_dims(config))")
+    return dims.vocab_size * dims.d_model
+
+
+def attention_macs(n_queries: int, n_keys: int, dims: ModelDims, *, causal: bool = False) -> int:
     """MACs of QK^T and probs @ V for ``n_queries`` queries against ``n_keys`` keys, all layers and heads.
 
-    Counts the full rectangle, as the kernels do: a causal mask hides the upper triangle
-    but eager attention still computes it.
+    By default the full rectangle, as the kernels do: a causal mask hides the upper triangle
+    but eager attention still computes it. ``causal=True`` counts only the pairs the mask
+    keeps (the queries being the last ``n_queries`` positions), what a kernel that skips
+    masked blocks computes.
     """
     check_non_negative_int("n_queries", n_queries)
     check_non_negative_int("n_keys", n_keys)
-    return 2 * dims.n_layers * dims.n_heads * dims.head_dim * n_queries * n_keys
+    if n_queries > n_keys and causal:
+        raise ValueError(f"causal attention needs n_queries <= n_keys, got {n_queries} > {n_keys}")
+    pairs = n_queries * (n_keys - n_queries) + n_queries * (n_queries + 1) // 2 if causal else n_queries * n_keys
+    return 2 * dims.n_layers * dims.n_heads * dims.head_dim * pairs
 
 
-def step_macs(n_ctx: int, dims: ModelDims, weight_macs: int, *, cached: bool) -> int:
+def step_macs(n_ctx: int, dims: ModelDims, weight_macs: int, *, cached: bool, last_logits_only: bool = False,
+              causal: bool = False) -> int:
     """MACs of one greedy step that ends with ``n_ctx`` tokens in context.
 
     cached: one token through the weights, attending to ``n_ctx`` keys  -> linear in n_ctx.
-    recompute: ``n_ctx`` tokens through the weights, an n_ctx x n_ctx score matrix -> quadratic.
+    recompute: ``n_ctx`` tokens through the weights (``n_ctx * W``, linear) and an
+    n_ctx x n_ctx score matrix (quadratic). ``last_logits_only``: the LM head runs for the last
+    position only (``logits_to_keep=1``); ``causal``: attention counts only unmasked pairs.
     """
     check_positive_int("n_ctx", n_ctx)
     check_non_negative_int("weight_macs", weight_macs)
     if cached:
-        return weight_macs + attention_macs(1, n_ctx, dims)
-    return n_ctx * weight_macs + attention_macs(n_ctx, n_ctx, dims)
+        return weight_macs + attention_macs(1, n_ctx, dims, causal=causal)
+    linear = n_ctx * weight_macs - ((n_ctx - 1) * lm_head_macs(dims) if last_logits_only else 0)
+    return linear + attention_macs(n_ctx, n_ctx, dims, causal=causal)
+
+
+def attention_crossover_tokens(dims: ModelDims, weight_macs: int, *, last_logits_only: bool = False,
+                               causal: bool = False) -> int:
+    """The shortest context at which a recomputed step spends more MACs in attention than in the weights.
+
+    Below it the step is dominated by the linear ``n * W`` term, so its cost grows about like n;
+    the n^2 attention term takes over beyond it. Same options as :func:`step_macs`.
+    """
+    check_positive_int("weight_macs", weight_macs)
+
+    def attention_wins(n: int) -> bool:
+        attention = attention_macs(n, n, dims, causal=causal)
+        return attention >= step_macs(n, dims, weight_macs, cached=False, last_logits_only=last_logits_only,
+                                      causal=causal) - attention
+    hi = 1
+    while not attention_wins(hi):         # attention - weights is a parabola, negative up to its one root
+        hi *= 2
+    lo = hi // 2                           # attention_wins(lo) is False (or lo == 0)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if attention_wins(mid) else (mid, hi)
+    return hi
 
 
 def generation_macs(prompt_len: int, new_tokens: int, dims: ModelDims, weight_macs: int, *,
-                    cached: bool) -> int:
+                    cached: bool, last_logits_only: bool = False) -> int:
     """MACs to generate ``new_tokens`` greedily after a ``prompt_len``-token prompt.
 
-    cached: one prefill of the prompt, then ``new_tokens - 1`` one-token steps -> O(T^2).
-    recompute: ``new_tokens`` full passes over a growing sequence -> O(T^3).
+    cached: one prefill of the prompt, then ``new_tokens - 1`` one-token steps;
+    recompute: ``new_tokens`` full passes over a growing sequence. The weights' term grows like
+    T (cached) against T^2 (recompute), the attention term like T^2 against T^3.
+    ``last_logits_only``: every pass (the prefill included) runs the LM head for its last position only.
     """
     check_positive_int("prompt_len", prompt_len)
     check_positive_int("new_tokens", new_tokens)
     if not cached:
-        return sum(step_macs(prompt_len + t, dims, weight_macs, cached=False) for t in range(new_tokens))
-    total = prompt_len * weight_macs + attention_macs(prompt_len, prompt_len, dims)
+        return sum(step_macs(prompt_len + t, dims, weight_macs, cached=False, last_logits_only=last_logits_only)
+                   for t in range(new_tokens))
+    total = step_macs(prompt_len, dims, weight_macs, cached=False, last_logits_only=last_logits_only)
     return total + sum(step_macs(prompt_len + t, dims, weight_macs, cached=True) for t in range(1, new_tokens))
+
+
+def logits_bytes(n_positions: int, dims: ModelDims, *, bytes_per_element: int = 4) -> int:
+    """Bytes of the logits of ``n_positions`` positions: one score per vocabulary entry each."""
+    check_positive_int("n_positions", n_positions)
+    check_positive_int("bytes_per_element", bytes_per_element)
+    if dims.vocab_size is None:
+        raise ValueError("dims needs vocab_size (use model_dims(config))")
+    return n_positions * dims.vocab_size * bytes_per_element
 
 
 def score_bytes(n_ctx: int, *, cached: bool, bytes_per_element: int = 4) -> int:
@@ -249,10 +305,12 @@ def score_bytes(n_ctx: int, *, cached: bool, bytes_per_element: int = 4) -> int:
     return (1 if cached else n_ctx) * n_ctx * bytes_per_element
 
 
-def macs_bytes_table(n_ctx: int, dims: ModelDims, weight_macs: int, *, bytes_per_element: int = 4) -> dict:
+def macs_bytes_table(n_ctx: int, dims: ModelDims, weight_macs: int, *, bytes_per_element: int = 4,
+                     last_logits_only: bool = False) -> dict:
     """Both ways at context ``n_ctx``: MACs per step, score bytes per head, KV-cache bytes (for the widget)."""
     return {
-        "MACs per step": {"recompute": step_macs(n_ctx, dims, weight_macs, cached=False),
+        "MACs per step": {"recompute": step_macs(n_ctx, dims, weight_macs, cached=False,
+                                                 last_logits_only=last_logits_only),
                           "KV cache": step_macs(n_ctx, dims, weight_macs, cached=True)},
         "score bytes per head": {"recompute": score_bytes(n_ctx, cached=False, bytes_per_element=bytes_per_element),
                                  "KV cache": score_bytes(n_ctx, cached=True, bytes_per_element=bytes_per_element)},
@@ -260,11 +318,13 @@ def macs_bytes_table(n_ctx: int, dims: ModelDims, weight_macs: int, *, bytes_per
     }
 
 
-def macs_bytes_figure(n_ctx: int, dims: ModelDims, weight_macs: int, *, bytes_per_element: int = 4):
+def macs_bytes_figure(n_ctx: int, dims: ModelDims, weight_macs: int, *, bytes_per_element: int = 4,
+                      last_logits_only: bool = False):
     """The chapter 01 widget's chart: both ways at context ``n_ctx``, on a log axis (a pure function)."""
     from .plots import bar_figure
 
-    table = macs_bytes_table(n_ctx, dims, weight_macs, bytes_per_element=bytes_per_element)
+    table = macs_bytes_table(n_ctx, dims, weight_macs, bytes_per_element=bytes_per_element,
+                             last_logits_only=last_logits_only)
     rows = list(table)
     ratio = table["MACs per step"]["recompute"] / table["MACs per step"]["KV cache"]
     # a log axis cannot show zero: the recompute path holds no cache, so that bar is left out
@@ -273,4 +333,55 @@ def macs_bytes_figure(n_ctx: int, dims: ModelDims, weight_macs: int, *, bytes_pe
                      x_title="quantity (one step, one sequence)", y_title="MACs or bytes (log scale)",
                      log_y=True, text_format=".3s")
     fig.update_traces(textposition="outside", cliponaxis=False)
+    return fig
+
+
+# --- reading growth off measurements -----------------------------------------------------------
+
+def _log_points(x, y) -> tuple[list[float], list[float]]:
+    x, y = list(x), list(y)
+    if len(x) != len(y) or len(x) < 2:
+        raise ValueError(f"need at least two (x, y) points of equal count, got {len(x)} x and {len(y)} y")
+    if any(not (v > 0 and math.isfinite(v)) for v in x + y):
+        raise ValueError("a power law is read on log axes: every x and y must be a positive finite number")
+    return [math.log(v) for v in x], [math.log(v) for v in y]
+
+
+def power_law_slope(x, y) -> float:
+    """The exponent k of the least-squares fit y ~ c * x**k (a straight line on log-log axes).
+
+    1 means y grows like x, 2 like x squared; measured times usually lie between the two.
+    """
+    lx, ly = _log_points(x, y)
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    sxx = sum((a - mx) ** 2 for a in lx)
+    if sxx == 0:
+        raise ValueError("x must take at least two different values")
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sxx
+
+
+def local_slopes(x, y) -> list[float]:
+    """The exponent between each pair of neighbouring points: log(y1 / y0) / log(x1 / x0), len(x) - 1 values.
+
+    A value well above the overall fit marks a cliff: a step where the cost jumped by more than the
+    arithmetic grew (a buffer outgrowing a cache, memory coming fresh from the operating system).
+    """
+    lx, ly = _log_points(x, y)
+    if any(b <= a for a, b in zip(lx, lx[1:])):
+        raise ValueError("x must be strictly increasing")
+    return [(y1 - y0) / (x1 - x0) for x0, x1, y0, y1 in zip(lx, lx[1:], ly, ly[1:])]
+
+
+def scaling_figure(x, series: dict, *, title: str, x_title: str, y_title: str):
+    """Log-log lines of measured ``series`` (name -> y values over ``x``), each labelled with its fitted
+    exponent, and dashed guides through the first series' first point that grow like n and like n²."""
+    from .plots import PALETTE, line_figure
+
+    x = list(x)
+    fig = line_figure(x, {f"{name} (fitted slope {power_law_slope(x, y):.2f})": y for name, y in series.items()},
+                      title=title, x_title=x_title, y_title=y_title, log_x=True, log_y=True)
+    x0, y0 = x[0], list(next(iter(series.values())))[0]
+    for power, dash in ((1, "dot"), (2, "dash")):
+        fig.add_scatter(x=x, y=[y0 * (v / x0) ** power for v in x], mode="lines", name=f"guide ∝ n{'²' if power == 2 else ''}",
+                        line=dict(color=PALETTE[7], dash=dash, width=1), hoverinfo="skip")
     return fig

@@ -18,7 +18,14 @@ differ on purpose: weight rows are long, so an int8 per-row scale is negligible 
 is counted in groups of 128; cache vectors are quantized in groups of 64.
 
 Byte counts are computed exactly (with :class:`fractions.Fraction`), so the tables
-reproduce the reference figures to the token.
+reproduce the reference figures to the token. Real files store more than 4.125 bits per int4
+weight (chapter 05's ``quantize.gguf_mix`` computes a Q4_K_M file's mix); :func:`fit` takes
+any number of bits per weight, so the tables can be redone with them.
+
+The cache costs time as well as memory: a decode step reads the weights once and every
+resident token's keys and values (:func:`step_read_bytes`). How a cache is quantized matters
+as much as how many bits it keeps: :func:`round_trip_kv` rounds a real cache tensor per token
+or per channel, and :func:`fp8_round_trip` to FP8 (e4m3), so their errors can be measured.
 """
 from __future__ import annotations
 
@@ -64,9 +71,11 @@ def quantized_bits(bits: int, group_size: int, *, scale_bits: int = 16, zero_poi
 
 #: Bits per weight: int8 with per-row scales (neglected), int4 in groups of 128 with fp16 scales.
 WEIGHT_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": quantized_bits(4, 128)}
-#: Bits per cached key/value element: int8 and int4 with one fp16 scale per group of 64.
-KV_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": quantized_bits(8, 64), "int4": quantized_bits(4, 64)}
-_NAMES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
+#: Bits per cached key/value element: FP8 (e4m3, one scale per tensor, negligible), int8 and int4 with
+#: one fp16 scale per group of 64.
+KV_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": quantized_bits(8, 64), "int4": quantized_bits(4, 64)}
+_NAMES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
+          "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8"}
 
 
 def _exact(x: Fraction) -> int | float:
@@ -200,6 +209,20 @@ def fit(memory_gib, config, *, n_params=None, weight_precision="fp16", kv_precis
                tokens, tokens // users)
 
 
+def step_read_bytes(config, context_tokens: int, *, n_params=None, weight_precision="fp16", kv_precision="fp16",
+                    users: int = 1) -> int | float:
+    """Bytes one decode step reads at least: the weights once, plus the cache of every user (chapter 03).
+
+    ``weights + users x context_tokens x kv_bytes_per_token``: the cache costs time as well as
+    memory. Chapter 02's ``decode_step_bytes`` counts the same for a loaded model; chapter 04
+    batches users and reads this growth off its measured steps.
+    """
+    check_non_negative_int("context_tokens", context_tokens)
+    check_positive_int("users", users)
+    weights = _check_amount("n_params", _n_params_of(config, n_params)) * _bits(weight_precision, WEIGHT_BITS) / 8
+    return _exact(weights + users * context_tokens * _kv_bytes_per_token(config, kv_precision))
+
+
 def crossover_tokens(config, *, n_params=None, weight_precision="fp16", kv_precision="fp16") -> int:
     """The smallest context at which one sequence's cache holds more bytes than the weights."""
     weights = _check_amount("n_params", _n_params_of(config, n_params)) * _bits(weight_precision, WEIGHT_BITS) / 8
@@ -209,13 +232,18 @@ def crossover_tokens(config, *, n_params=None, weight_precision="fp16", kv_preci
 # --- model shapes -----------------------------------------------------------------------------
 
 #: The three model classes of the chapter's "does it fit?" tables (nominal parameter counts).
+#: The MLP width and vocabulary are those of Mistral-7B, Llama-2-13B and Llama-2-70B, the shapes these
+#: classes stand for; only a file's mix of block types (chapter 05) needs them.
 SYLLABUS_MODELS = {
     "7B (GQA)": {"n_params": 7_000_000_000, "num_hidden_layers": 32, "num_attention_heads": 32,
-                 "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 4096},
+                 "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 4096,
+                 "intermediate_size": 14336, "vocab_size": 32000},
     "13B (MHA)": {"n_params": 13_000_000_000, "num_hidden_layers": 40, "num_attention_heads": 40,
-                  "num_key_value_heads": 40, "head_dim": 128, "hidden_size": 5120},
+                  "num_key_value_heads": 40, "head_dim": 128, "hidden_size": 5120,
+                  "intermediate_size": 13824, "vocab_size": 32000},
     "70B (GQA)": {"n_params": 70_000_000_000, "num_hidden_layers": 80, "num_attention_heads": 64,
-                  "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 8192},
+                  "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 8192,
+                  "intermediate_size": 28672, "vocab_size": 32000},
 }
 
 
@@ -272,6 +300,96 @@ def measured_cache_bytes(model, batch_size: int, n_tokens: int, *, seed: int = 0
     return cache_nbytes(cache)
 
 
+# --- quantizing a real cache ---------------------------------------------------------------------
+
+_ALONG = {"token": -1, "channel": -2}
+
+
+def round_trip_kv(x: torch.Tensor, bits: int, *, along: str, group: int | None = None) -> torch.Tensor:
+    """A cache tensor (batch, kv_heads, tokens, head_dim) rounded to ``bits``-bit integers and back.
+
+    Asymmetric min-max rounding, one scale and zero point per group. ``along="token"``: each
+    token's vector of channels shares them (how values are usually quantized);
+    ``along="channel"``: each channel shares them across the tokens (what KIVI does for keys, whose
+    few large channels would otherwise set every token's step). ``group``: elements per group
+    along that axis (default: the whole axis).
+    """
+    if along not in _ALONG:
+        raise ValueError(f"along must be 'token' or 'channel', got {along!r}")
+    check_positive_int("bits", bits)
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+        raise ValueError(f"x must be a floating (batch, kv_heads, tokens, head_dim) tensor, got "
+                         f"{getattr(x, 'shape', type(x).__name__)}")
+    dim = _ALONG[along]
+    if group is not None:
+        check_positive_int("group", group)
+        return torch.cat([round_trip_kv(part, bits, along=along) for part in x.split(group, dim=dim)], dim=dim)
+    levels = 2 ** bits - 1
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    step = ((hi - lo) / levels).clamp_min(torch.finfo(x.dtype).tiny)
+    return ((x - lo) / step).round().clamp(0, levels) * step + lo
+
+
+FP8_E4M3_MAX = 448.0            # the largest finite float8_e4m3fn number
+
+
+def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """``x`` stored as FP8 e4m3 with one scale per tensor (absmax -> 448) and read back in its own dtype."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        raise ValueError(f"x must be a floating tensor, got {type(x).__name__}")
+    scale = (x.abs().amax().float() / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    return ((x.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
+def channel_spread(x: torch.Tensor) -> float:
+    """How unequal a cache tensor's channels are: the largest channel's max |x| over the median channel's.
+
+    ``x``: (batch, kv_heads, tokens, head_dim); the maximum is over tokens, the median over the
+    channels of every head. A few large channels (keys, after the rotary embedding) give a large value.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"x must be a (batch, kv_heads, tokens, head_dim) tensor, got {getattr(x, 'shape', x)!r}")
+    per_channel = x.abs().float().amax(dim=(0, 2))                   # (kv_heads, head_dim)
+    return float(per_channel.amax(-1).div(per_channel.median(-1).values.clamp_min(1e-30)).mean())
+
+
+@torch.no_grad()
+def cache_quantization_kl(model, input_ids: torch.Tensor, schemes: dict, *, scored_tokens: int = 32) -> dict:
+    """What storing the cache another way does to the next-token distributions (chapter 03).
+
+    The first ``len - scored_tokens`` tokens of ``input_ids`` (1, len) are prefilled into a cache;
+    for each scheme ``name -> (keys_fn, values_fn)`` every layer's keys and values are replaced by
+    ``keys_fn(keys)`` / ``values_fn(values)`` and the last ``scored_tokens`` tokens are run against
+    it. Returns ``name -> (mean KL divergence in nats from the exact cache's distributions, share of
+    positions whose most likely token is unchanged)``.
+    """
+    from transformers import DynamicCache
+
+    check_positive_int("scored_tokens", scored_tokens)
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] <= scored_tokens:
+        raise ValueError(f"input_ids must be (1, > {scored_tokens}) token ids, got {tuple(input_ids.shape)}")
+    prefix_len = input_ids.shape[1] - scored_tokens
+    cache = DynamicCache(config=model.config)
+    model(input_ids[:, :prefix_len], cache=cache, use_cache=True, logits_to_keep=1)
+    exact = [(layer.keys, layer.values) for layer in cache.layers]
+
+    def scored_log_probs(keys_fn, values_fn):
+        for layer, (k, v) in zip(cache.layers, exact):
+            layer.keys, layer.values = keys_fn(k), values_fn(v)
+        logits = model(input_ids[:, prefix_len:], cache=cache, use_cache=True).logits[0].float()
+        cache.crop(-scored_tokens)                    # back to the prefix (a negative count: tokens to drop)
+        return logits.log_softmax(-1)
+
+    reference = scored_log_probs(lambda k: k, lambda v: v)
+    out = {}
+    for name, (keys_fn, values_fn) in schemes.items():
+        log_q = scored_log_probs(keys_fn, values_fn)
+        kl = (reference.exp() * (reference - log_q)).sum(-1).mean().item()
+        same = (log_q.argmax(-1) == reference.argmax(-1)).float().mean().item()
+        out[name] = (max(kl, 0.0), same)
+    return out
+
+
 # --- widget -----------------------------------------------------------------------------------
 
 def _fmt_gib(n_bytes) -> str:
@@ -316,4 +434,41 @@ def fit_figure(memory_gib, model: str, weight_precision: str, kv_precision: str,
                      row=1, col=1)
     fig.update_xaxes(title="concurrent users", type="log", row=1, col=2)
     fig.update_yaxes(title="tokens of context per user", type="log", row=1, col=2)
+    return fig
+
+
+def fit_bars_figure(cards: dict, *, title: str):
+    """Where each card's memory goes: one stacked bar per (model, precision), weights | runtime | KV cache.
+
+    ``cards`` maps a card's label to ``{row label: Fit}`` (a pure function of them). A bar whose weights
+    and runtime overflow the card shows the overflow and no cache; a dashed line marks the card's size.
+    """
+    from plotly.subplots import make_subplots
+
+    from .plots import PALETTE, TEMPLATE
+
+    labels = list(cards)
+    fig = make_subplots(rows=1, cols=len(labels), subplot_titles=labels, shared_yaxes=True,
+                        horizontal_spacing=0.04)
+    parts = [("weights", PALETTE[0]), ("runtime", PALETTE[7]), ("KV cache", PALETTE[1]), ("over the card", PALETTE[5])]
+    for col, label in enumerate(labels, start=1):
+        rows = cards[label]
+        names = list(rows)
+        values = {"weights": [], "runtime": [], "KV cache": [], "over the card": []}
+        for f in rows.values():
+            weights, runtime = float(f.weights_bytes) / GIB, float(f.overhead_bytes) / GIB
+            values["weights"].append(min(weights, float(f.memory_bytes) / GIB))
+            values["runtime"].append(max(0.0, min(runtime, float(f.memory_bytes) / GIB - weights)))
+            values["KV cache"].append(max(0.0, float(f.free_bytes)) / GIB)
+            values["over the card"].append(max(0.0, -float(f.free_bytes)) / GIB)
+        for name, color in parts:
+            fig.add_bar(x=values[name], y=names, orientation="h", name=name, marker_color=color, legendgroup=name,
+                        showlegend=col == 1, row=1, col=col,
+                        hovertemplate=f"{name}: %{{x:,.2f}} GiB<extra>%{{y}}</extra>")
+        memory = float(next(iter(rows.values())).memory_bytes) / GIB
+        fig.add_vline(x=memory, line_dash="dash", line_color=PALETTE[7], row=1, col=col)
+        fig.update_xaxes(title="GiB", row=1, col=col)
+    fig.update_layout(template=TEMPLATE, title=title, barmode="stack", height=120 + 34 * max(len(r) for r in cards.values()),
+                      hovermode="closest")
+    fig.update_yaxes(autorange="reversed")
     return fig

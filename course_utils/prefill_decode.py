@@ -340,16 +340,23 @@ def inter_token_gaps_s(arrival_s) -> list[float]:
     return np.diff(_check_arrivals(arrival_s)).tolist()
 
 
-def tpot_s(arrival_s, end_s: float | None = None) -> float:
+def tpot_s(arrival_s, end_s: float | None = None, *, n_tokens: int | None = None) -> float:
     """Time per output token after the first: (end-to-end latency - TTFT) / (tokens - 1).
 
     ``end_s`` (when the response completed) defaults to the last token's arrival.
+    ``n_tokens``: how many tokens the stream delivered, when a streamed chunk may hold several
+    (chapter 11's servers); default one token per arrival.
     """
     t = _check_arrivals(arrival_s)
     end = float(t[-1]) if end_s is None else float(end_s)
     if not math.isfinite(end) or end < t[-1]:
         raise ValueError(f"end_s must be a number >= the last arrival ({t[-1]}), got {end_s!r}")
-    return float(end - t[0]) / (t.size - 1)
+    if n_tokens is None:
+        return float(end - t[0]) / (t.size - 1)
+    check_positive_int("n_tokens", n_tokens)
+    if n_tokens < t.size:
+        raise ValueError(f"n_tokens ({n_tokens}) cannot be fewer than the {t.size} arrivals that carried tokens")
+    return float(end - t[0]) / (n_tokens - 1)
 
 
 def hf_inter_token_latency_s(arrival_s) -> float:
@@ -442,4 +449,33 @@ def latency_figure(prompt_tokens: int, new_tokens: int, *, prefill_s: dict[int, 
     fig.update_xaxes(title="prompt length P (tokens)", type="log", row=1, col=1)
     fig.update_yaxes(title="prefill time (s)", row=1, col=1)
     fig.update_yaxes(title="seconds", row=1, col=2)
+    return fig
+
+
+def roofline_figure(points: dict, *, peak_flops: float, bandwidth_Bps: float, title: str):
+    """The roofline chart (a pure function): attainable FLOP/s against arithmetic intensity, both log axes.
+
+    ``points`` maps a series name to ``(intensity FLOP/byte, measured FLOP/s, label)`` triples;
+    the roofs are this machine's measured ``peak_flops`` and ``bandwidth_Bps``.
+    """
+    from .plots import PALETTE, figure
+
+    ridge = ridge_intensity(peak_flops, bandwidth_Bps)
+    xs = [p[0] for series in points.values() for p in series] + [ridge]
+    lo, hi = min(xs) / 3, max(xs) * 3
+    grid = [lo * (hi / lo) ** (i / 60) for i in range(61)]
+    grid = sorted(set(grid + [ridge]))
+    fig = figure(title, "arithmetic intensity (FLOP per byte moved, log scale)", "GFLOP/s (log scale)",
+                 log_x=True, log_y=True, height=460)
+    fig.add_scatter(x=grid, y=[attainable_flops(i, peak_flops=peak_flops, bandwidth_Bps=bandwidth_Bps) / 1e9
+                               for i in grid], mode="lines", name="roofline: min(compute roof, intensity × bandwidth)",
+                    line=dict(color=PALETTE[7], width=2), hoverinfo="skip")
+    for (name, series), color in zip(points.items(), [PALETTE[0], PALETTE[1], PALETTE[2], PALETTE[3]]):
+        fig.add_scatter(x=[p[0] for p in series], y=[p[1] / 1e9 for p in series], text=[p[2] for p in series],
+                        mode="markers+text", textposition="top center", name=name,
+                        marker=dict(size=9, color=color),
+                        hovertemplate="%{text}: %{x:,.2f} FLOP/byte, %{y:,.2f} GFLOP/s<extra></extra>")
+    fig.add_vline(x=ridge, line_dash="dash", line_color=PALETTE[5],
+                  annotation_text=f"ridge: {ridge:,.0f} FLOP/byte", annotation_position="bottom right")
+    fig.update_layout(hovermode="closest")
     return fig

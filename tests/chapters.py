@@ -25,8 +25,9 @@ CHAPTERS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 REDUCED: dict[str, dict] = {
     "01": dict(N_NEW=8, STEP_CONTEXTS=[8, 16, 32], HEAD_CONTEXTS=[64, 128, 256], MEM_CTX=32, REPEATS=1),
     "02": dict(PROMPT_LENGTHS=[8, 16, 64], CACHE_LENGTHS=[8, 16, 64], REPEATS=1, TOKEN_BUDGET=64, DECODE_REPEATS=2,
-               STREAM_NEW_TOKENS=8),
-    "03": dict(CHECK_SHAPES=[[1, 1], [2, 17]]),       # lists: papermill passes a tuple as its string
+               MATMUL_SIZE=128, STREAM_NEW_TOKENS=8),
+    "03": dict(CHECK_SHAPES=[[1, 1], [2, 17]],       # lists: papermill passes a tuple as its string
+               KV_TEXT_TOKENS=48, SCORED_TOKENS=8, KV_GROUP_TOKENS=16),
     "04": dict(BATCH_SIZES=[1, 2, 4, 8], SWEEP_REPEATS=1, NEW_TOKENS=8, DEMO_REQUESTS=8),
     "05": dict(CALIB_TOKENS=64, TIMING_REPEATS=1, ANSWER_TOKENS=4),
     "06": dict(THRESHOLDS=[0.5, 2, 6, 64], ALPHAS=[0.0, 0.5, 1.0]),

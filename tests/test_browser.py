@@ -5,6 +5,7 @@ Without Chromium these tests are skipped with a message saying how to install it
 """
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from pathlib import Path
@@ -112,39 +113,102 @@ def test_a_slider_redraws_its_chart_in_jupyterlab(lab, browser, notebook, label)
         page.close()
 
 
-def test_static_site_renders_charts_offline(tmp_path, browser, second_run):
-    """Build the site from one chapter's second run (executed once per test run), look at it offline."""
+SITE_CHAPTERS = ("01", "02", "03")          # first, middle and last page: previous / next links both ways
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory, second_run):
+    """The site built from chapters 01-03's second runs (each executed once per test run)."""
     from course_utils.site import build_site
 
-    chapter = sorted(NOTEBOOKS.glob("03_*.ipynb")) or sorted(NOTEBOOKS.glob("01_*.ipynb"))
-    executed = tmp_path / "executed"
-    executed.mkdir()
-    shutil.copy(second_run(chapter[0]), executed / chapter[0].name)
-    index = build_site(executed, tmp_path / "site", results=[{"notebook": chapter[0].stem, "status": "ok",
-                                                              "seconds": 1.0, "peak_rss_bytes": 1e9}])
+    executed = tmp_path_factory.mktemp("executed")
+    chapters = [c for c in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb") if c.name[:2] in SITE_CHAPTERS]
+    for chapter in chapters:
+        shutil.copy(second_run(chapter), executed / chapter.name)
+    return build_site(executed, tmp_path_factory.mktemp("site"),
+                      results=[{"notebook": c.stem, "status": "ok", "seconds": 1.0, "peak_rss_bytes": 1e9}
+                               for c in chapters])
+
+
+@pytest.fixture
+def offline_page(browser):
+    """A page that may load only local files: every http(s) request is refused and recorded."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    requested = []
+    page.requested = []
 
     def block_network(route):
-        requested.append(route.request.url)
+        page.requested.append(route.request.url)
         route.abort()
     page.route("http*://**", block_network)
-    try:
-        page.goto(index.as_uri())
-        link = page.locator("table a").first
-        assert chapter[0].stem in link.get_attribute("href")
-        screenshot(page, "site_index")
-        link.click()
+    yield page
+    page.close()
+
+
+def test_static_site_renders_charts_offline(site, offline_page):
+    """Every chart of a chapter page draws, from the one plotly.js file the site ships, with no network."""
+    page = offline_page
+    chapter = sorted(p for p in site.parent.glob("[0-9][0-9]_*.html"))[-1]
+    page.goto(site.as_uri())
+    link = page.locator("table a", has_text=chapter.stem[:2]).first
+    assert link.get_attribute("href") == chapter.name
+    screenshot(page, "site_index")
+    link.click()
+    page.wait_for_load_state("load")
+    plots = page.locator(".js-plotly-plot")
+    plots.first.wait_for(timeout=60_000)
+    page.wait_for_timeout(1000)
+    n_plots = plots.count()
+    rendered = page.locator(".js-plotly-plot .main-svg").count()
+    assert n_plots >= 2 and rendered >= n_plots, f"{n_plots} plot divs, {rendered} drawn"
+    data = [plot_data(plots.nth(i)) for i in range(n_plots)]
+    assert all(d not in ("[]", "") for d in data), "a chart was drawn without data"
+    plots.first.scroll_into_view_if_needed()
+    screenshot(page, f"site_{chapter.stem}")
+    assert page.requested == [], f"the page fetched from the network: {page.requested[:3]}"
+    html_files = list(site.parent.glob("*.html"))
+    assert [p.name for p in site.parent.glob("*.js")] == ["plotly.min.js"]
+    assert all("* plotly.js v" not in p.read_text(encoding="utf-8") for p in html_files), "a page embeds plotly.js"
+
+
+LINKS_JS = """() => Array.from(document.querySelectorAll('a[href]')).map(a => a.getAttribute('href'))"""
+#: The page's text outside code (input cells, <pre>, <code>): where Markdown should have been rendered.
+PROSE_JS = """() => { const body = document.body.cloneNode(true);
+  body.querySelectorAll('.jp-InputArea, pre, code, script, style').forEach(e => e.remove());
+  return body.innerText; }"""
+#: As a browser resolves a fragment: the id as written, else percent-decoded (nbconvert writes some ids encoded).
+ID_EXISTS_JS = """id => document.getElementById(id) !== null || document.getElementById(decodeURIComponent(id)) !== null"""
+RAW_MARKDOWN_LINK = re.compile(r"\[[^\]\n]+\]\([^)\s]+\)")
+
+
+def test_every_link_of_the_site_resolves_and_no_markdown_shows(site, offline_page):
+    """Each link on each page is external, or a file of the site (and its anchor exists); no raw [text](link)."""
+    from urllib.parse import urlsplit
+
+    page = offline_page
+    root = site.parent
+    pages = sorted(root.glob("*.html"))
+    assert {p.stem[:2] for p in pages} >= set(SITE_CHAPTERS) | {"in"}
+    for path in pages:
+        page.goto(path.as_uri())
         page.wait_for_load_state("load")
-        plots = page.locator(".js-plotly-plot")
-        plots.first.wait_for(timeout=60_000)
-        page.wait_for_timeout(1000)
-        n_plots = plots.count()
-        rendered = page.locator(".js-plotly-plot .main-svg").count()
-        assert n_plots >= 2 and rendered >= n_plots, f"{n_plots} plot divs, {rendered} drawn"
-        data = [plot_data(plots.nth(i)) for i in range(n_plots)]
-        assert all(d not in ("[]", "") for d in data), "a chart was drawn without data"
-        plots.first.scroll_into_view_if_needed()
-        screenshot(page, f"site_{chapter[0].stem}")
-    finally:
-        page.close()
+        prose = page.evaluate(PROSE_JS)
+        raw = RAW_MARKDOWN_LINK.findall(prose)
+        assert not raw, f"{path.name} shows Markdown link text: {raw[:3]}"
+        for href in page.evaluate(LINKS_JS):
+            parts = urlsplit(href)
+            if parts.scheme in ("http", "https", "mailto"):
+                continue
+            assert not parts.scheme, f"{path.name}: link {href!r} is neither external nor a file of the site"
+            target = (path.parent / parts.path).resolve() if parts.path else path
+            assert target.is_file() and root in target.parents, f"{path.name}: link {href!r} leads to no page of the site"
+            if parts.fragment and target == path:
+                assert page.evaluate(ID_EXISTS_JS, parts.fragment), f"{path.name}: no anchor for {href!r}"
+        if path.name != "index.html":
+            assert page.locator("nav.course-nav a[href='index.html']").count() == 2, f"{path.name}: no way back to the contents"
+            assert page.locator("nav.course-contents li").count() >= 3, f"{path.name}: no list of sections"
+    first, last = pages[0], [p for p in pages if p.name != "index.html"][-1]
+    page.goto(first.as_uri())
+    assert page.locator("a[rel=prev]").count() == 0 and page.locator("a[rel=next]").count() == 2
+    page.goto(last.as_uri())
+    assert page.locator("a[rel=next]").count() == 0 and page.locator("a[rel=prev]").count() == 2
+    assert page.requested == [], f"a page fetched from the network: {page.requested[:3]}"

@@ -5,10 +5,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from course_utils.kv_cache import (attention_macs, cache_nbytes, counted_macs, decode_one_token, generation_macs,
-                                   greedy_cached, greedy_recompute, head_step_cached, head_step_recompute,
-                                   macs_bytes_figure, macs_bytes_table, prefill, score_bytes,
-                                   step_macs, step_seconds, weight_macs_per_token)
+from course_utils.kv_cache import (attention_crossover_tokens, attention_macs, cache_nbytes, counted_macs,
+                                   decode_one_token, generation_macs, greedy_cached, greedy_recompute,
+                                   head_step_cached, head_step_recompute, lm_head_macs, local_slopes, logits_bytes,
+                                   macs_bytes_figure, macs_bytes_table, power_law_slope, prefill, scaling_figure,
+                                   score_bytes, step_macs, step_seconds, weight_macs_per_token)
 from course_utils.models import model_dims
 
 
@@ -89,6 +90,8 @@ def test_mac_formulas_match_torch_flop_counter(request, model_fixture):
     n = 9
     ids = torch.arange(1, n + 1).unsqueeze(0)
     assert counted_macs(model, lambda: model(ids, use_cache=False)) == step_macs(n, dims, w, cached=False)
+    assert counted_macs(model, lambda: model(ids, use_cache=False, logits_to_keep=1)) == \
+        step_macs(n, dims, w, cached=False, last_logits_only=True)
     cache = DynamicCache(config=model.config)
     prefill(model, ids[:, :-1], cache)
     assert counted_macs(model, lambda: decode_one_token(model, ids[:, -1:], cache)) == step_macs(n, dims, w, cached=True)
@@ -142,3 +145,96 @@ def test_step_seconds_shapes_and_errors(tiny_llama):
     assert len(out["recompute"]) == 2 and len(out["cached"]) == 2
     with pytest.raises(ValueError):
         step_seconds(tiny_llama, torch.arange(5).unsqueeze(0), [8])
+
+
+SMOL = model_dims({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
+                   "vocab_size": 49152})
+
+
+def test_causal_attention_counts_the_pairs_the_mask_keeps():
+    dims = model_dims({"num_hidden_layers": 1, "num_attention_heads": 1, "hidden_size": 4})   # 2·L·h·d = 8
+    assert attention_macs(3, 3, dims) == 8 * 9
+    assert attention_macs(3, 3, dims, causal=True) == 8 * (1 + 2 + 3)
+    assert attention_macs(1, 10, dims, causal=True) == attention_macs(1, 10, dims) == 8 * 10
+    assert attention_macs(2, 5, dims, causal=True) == 8 * (4 + 5)
+    with pytest.raises(ValueError, match="n_queries <= n_keys"):
+        attention_macs(4, 3, dims, causal=True)
+
+
+def test_last_logits_only_takes_the_head_out_of_all_but_one_position():
+    w = 134_479_872
+    head = lm_head_macs(SMOL)
+    assert head == 49152 * 576
+    for n in (1, 7, 256):
+        assert step_macs(n, SMOL, w, cached=False) - step_macs(n, SMOL, w, cached=False, last_logits_only=True) == \
+            (n - 1) * head
+    with pytest.raises(ValueError, match="vocab_size"):
+        lm_head_macs(model_dims({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}))
+
+
+@pytest.mark.parametrize("last_logits_only", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_crossover_is_the_first_length_where_attention_outweighs_the_weights(last_logits_only, causal):
+    w = 134_479_872
+    n = attention_crossover_tokens(SMOL, w, last_logits_only=last_logits_only, causal=causal)
+
+    def terms(m):
+        attention = attention_macs(m, m, SMOL, causal=causal)
+        return attention, step_macs(m, SMOL, w, cached=False, last_logits_only=last_logits_only, causal=causal) - attention
+    attention, weights = terms(n)
+    assert attention >= weights
+    attention, weights = terms(n - 1)
+    assert attention < weights
+
+
+def test_crossover_of_the_embedded_model_by_the_closed_form():
+    w = 134_479_872
+    per_pair = 2 * 30 * 9 * 64
+    assert attention_crossover_tokens(SMOL, w) == -(-w // per_pair)              # n = W / (2 L h d), rounded up
+    assert attention_crossover_tokens(SMOL, w, last_logits_only=True) < attention_crossover_tokens(SMOL, w)
+    assert attention_crossover_tokens(SMOL, w, last_logits_only=True, causal=True) > \
+        attention_crossover_tokens(SMOL, w, last_logits_only=True)
+    assert attention_crossover_tokens(SMOL, 1) == 1
+    with pytest.raises(ValueError):
+        attention_crossover_tokens(SMOL, 0)
+
+
+def test_generation_macs_with_last_logits_only():
+    w = 134_479_872
+    full = generation_macs(10, 5, SMOL, w, cached=False)
+    last = generation_macs(10, 5, SMOL, w, cached=False, last_logits_only=True)
+    assert full - last == sum(10 + t - 1 for t in range(5)) * lm_head_macs(SMOL)
+    assert generation_macs(10, 5, SMOL, w, cached=True) - generation_macs(10, 5, SMOL, w, cached=True,
+                                                                          last_logits_only=True) == 9 * lm_head_macs(SMOL)
+
+
+def test_logits_bytes():
+    assert logits_bytes(256, SMOL) == 256 * 49152 * 4
+    qwen = model_dims({"num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "hidden_size": 896,
+                       "vocab_size": 151936})
+    assert logits_bytes(256, qwen, bytes_per_element=2) == 77_791_232                 # the "~78 MB" of the source's model
+    with pytest.raises(ValueError):
+        logits_bytes(0, SMOL)
+
+
+def test_power_law_slopes():
+    x = [16, 32, 64, 128]
+    assert power_law_slope(x, [3 * v for v in x]) == pytest.approx(1.0)
+    assert power_law_slope(x, [0.5 * v * v for v in x]) == pytest.approx(2.0)
+    assert local_slopes(x, [1, 2, 8, 16]) == pytest.approx([1.0, 2.0, 1.0])
+    for x_bad, y_bad in (([1], [1]), ([1, 2], [0, 2]), ([1, 2], [-1.0, 2.0]), ([1, 2], [1])):
+        with pytest.raises(ValueError):
+            power_law_slope(x_bad, y_bad)
+    with pytest.raises(ValueError, match="increasing"):
+        local_slopes([2, 1], [1, 2])
+    with pytest.raises(ValueError, match="two different"):
+        power_law_slope([2, 2], [1, 2])
+
+
+def test_scaling_figure_labels_fitted_slopes_and_draws_guides():
+    x = [1, 2, 4]
+    fig = scaling_figure(x, {"a": [1, 4, 16], "b": [2, 4, 8]}, title="t", x_title="n", y_title="ms")
+    names = [t.name for t in fig.data]
+    assert names[:2] == ["a (fitted slope 2.00)", "b (fitted slope 1.00)"]
+    assert list(fig.data[2].y) == [1, 2, 4] and list(fig.data[3].y) == [1, 4, 16]      # ∝ n and ∝ n² through (1, 1)
+    assert fig.layout.xaxis.type == "log" and fig.layout.yaxis.type == "log"

@@ -63,9 +63,11 @@ def test_precisions_and_their_scales():
     assert ms.kv_bits_per_element("bfloat16") == ms.kv_bits_per_element(torch.bfloat16) == 16
     assert kv_bytes_per_token(REF, "int4") == 6144 * 4.25 / 8
     assert kv_bytes_per_token(REF, 3) == 6144 * 3 / 8          # a number is bits per element
+    assert kv_bytes_per_token(REF, "fp8") == kv_bytes_per_token(REF, "fp8_e4m3") == 6144
+    assert kv_bytes_per_token(REF, torch.float8_e4m3fn) == 6144
 
 
-@pytest.mark.parametrize("bad", ["fp8", "int3", torch.int8, torch.bool, -4, 0, float("nan")])
+@pytest.mark.parametrize("bad", ["fp6", "int3", torch.int8, torch.bool, -4, 0, float("nan")])
 def test_unknown_or_bad_precision_is_rejected(bad):
     with pytest.raises(ValueError):
         kv_bytes_per_token(REF, bad)
@@ -224,3 +226,119 @@ def test_fit_figure_shows_the_fit():
     assert "do not fit" in ms.fit_figure(8, "70B (GQA)", "fp16", "fp16", 1, models=models).layout.title.text
     with pytest.raises(ValueError, match="unknown model"):
         ms.fit_figure(16, "GPT-5", "int8", "fp16", 1, models=models)
+
+
+# --- real files, the time a cache costs, quantizing a real cache ------------------------------------------
+
+def test_thirteen_b_in_a_real_q4_k_m_file_no_longer_fits_8_gib():
+    from course_utils.models import model_dims
+    from course_utils.quantize import GGUF_FORMATS, gguf_mix
+    thirteen = SYLLABUS_MODELS["13B (MHA)"]
+    bits = gguf_mix(model_dims(thirteen), "Q4_K_M")["bits_per_weight"]
+    assert 4.5 < bits < 5.5
+    assert fit(8, thirteen, weight_precision="int4").fits
+    assert not fit(8, thirteen, weight_precision=bits).fits
+    assert fit(8, SYLLABUS_MODELS["7B (GQA)"], weight_precision=GGUF_FORMATS["Q8_0"].bits_per_weight).tokens_total == 0
+
+
+def test_step_read_bytes_are_weights_plus_every_users_cache():
+    seven = SYLLABUS_MODELS["7B (GQA)"]
+    assert ms.step_read_bytes(seven, 0) == ms.weight_bytes_at(7e9, "fp16")
+    assert ms.step_read_bytes(seven, 1000, users=4) - ms.step_read_bytes(seven, 0) == 4 * 1000 * 131_072
+    assert ms.step_read_bytes(seven, 10, kv_precision="int4", weight_precision="int4") == \
+        ms.weight_bytes_at(7e9, "int4") + 10 * kv_bytes_per_token(seven, "int4")
+    with pytest.raises(ValueError):
+        ms.step_read_bytes(seven, -1)
+    with pytest.raises(ValueError):
+        ms.step_read_bytes(seven, 10, users=0)
+
+
+def _cache_like(seed=0, outlier_channel=3):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, 50, 16, generator=g)
+    x[..., outlier_channel] *= 30                                  # one large channel, as keys have
+    return x
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_round_trip_kv_levels_and_axes():
+    x = _cache_like()
+    for along in ("token", "channel"):
+        y = ms.round_trip_kv(x, 4, along=along)
+        assert y.shape == x.shape and y.dtype == x.dtype
+        dim = -1 if along == "token" else -2
+        # at most 16 distinct values in every group (here: a whole token vector, or a whole channel)
+        groups = y.movedim(dim, -1).reshape(-1, y.shape[dim])
+        assert max(len(g.unique()) for g in groups) <= 16
+        assert torch.allclose(ms.round_trip_kv(x, 16, along=along), x, atol=1e-3 * x.abs().max().item())
+    # with one large channel, one scale per channel keeps the other channels fine; per token it coarsens them
+    others = [c for c in range(x.shape[-1]) if c != 3]
+    assert 3 * _rel(ms.round_trip_kv(x, 4, along="channel")[..., others], x[..., others]) < \
+        _rel(ms.round_trip_kv(x, 4, along="token")[..., others], x[..., others])
+    grouped = ms.round_trip_kv(x, 4, along="channel", group=8)
+    assert grouped.shape == x.shape and _rel(grouped, x) <= _rel(ms.round_trip_kv(x, 4, along="channel"), x) + 1e-6
+
+
+def test_round_trip_kv_rejects_bad_input():
+    x = _cache_like()
+    with pytest.raises(ValueError, match="along"):
+        ms.round_trip_kv(x, 4, along="head")
+    with pytest.raises(ValueError):
+        ms.round_trip_kv(x, 0, along="token")
+    with pytest.raises(ValueError):
+        ms.round_trip_kv(x[0], 4, along="token")
+    with pytest.raises(ValueError):
+        ms.round_trip_kv(x, 4, along="channel", group=0)
+
+
+def test_fp8_round_trip_is_e4m3_with_one_scale():
+    x = _cache_like()
+    y = ms.fp8_round_trip(x)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    assert y.abs().max().item() == pytest.approx(x.abs().max().item(), rel=1e-6)     # absmax maps to 448 exactly
+    assert _rel(y, x) < 0.05                                                          # 3 mantissa bits: ~2-3 %
+    assert len(((y / (x.abs().max() / 448)).float()).unique()) <= 256
+    with pytest.raises(ValueError):
+        ms.fp8_round_trip(torch.ones(3, dtype=torch.int32))
+
+
+def test_channel_spread_sees_one_large_channel():
+    assert ms.channel_spread(_cache_like()) > 10
+    flat = torch.ones(1, 2, 5, 8)
+    assert ms.channel_spread(flat) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        ms.channel_spread(torch.ones(3, 4))
+
+
+def test_cache_quantization_kl(tiny_model):
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    same = (lambda k: k, lambda v: v)
+    coarse = (lambda k: ms.round_trip_kv(k, 1, along="token"), lambda v: ms.round_trip_kv(v, 1, along="token"))
+    out = ms.cache_quantization_kl(tiny_model, ids, {"exact": same, "fp8": (ms.fp8_round_trip, ms.fp8_round_trip),
+                                                     "1 bit": coarse}, scored_tokens=8)
+    assert out["exact"] == (0.0, 1.0)
+    assert 0 <= out["fp8"][0] < out["1 bit"][0]
+    assert all(0 <= same_share <= 1 for _, same_share in out.values())
+    with pytest.raises(ValueError):
+        ms.cache_quantization_kl(tiny_model, ids, {}, scored_tokens=40)
+
+
+def test_fit_bars_figure_accounts_for_every_gib():
+    seven, thirteen = SYLLABUS_MODELS["7B (GQA)"], SYLLABUS_MODELS["13B (MHA)"]
+    cards = {"8 GiB": {"7B int4": fit(8, seven, weight_precision="int4"), "13B fp16": fit(8, thirteen)},
+             "16 GiB": {"7B int4": fit(16, seven, weight_precision="int4"), "13B fp16": fit(16, thirteen)}}
+    fig = ms.fit_bars_figure(cards, title="t")
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert len(bars) == 4 * 2
+    by_card = {}
+    for b in bars:
+        by_card.setdefault(b.xaxis, []).append(b)
+    for axis, card in zip(sorted(by_card), cards):
+        totals = [sum(b.x[i] for b in by_card[axis] if b.name != "over the card") for i in range(2)]
+        memory = float(next(iter(cards[card].values())).memory_bytes) / GIB
+        assert totals[0] == pytest.approx(memory)                    # 7B int4 fits: weights + runtime + cache = card
+        over = [b for b in by_card[axis] if b.name == "over the card"][0].x[1]
+        assert over == pytest.approx(-float(cards[card]["13B fp16"].free_bytes) / GIB)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import nbformat
 import pytest
@@ -78,9 +79,71 @@ def test_title_and_summary(tmp_path):
     _notebook(tmp_path / "01_x.ipynb", "pass")
     nb = nbformat.read(tmp_path / "01_x.ipynb", as_version=4)
     assert chapter_title(nb, "fallback") == "01 — A tiny chapter"
-    assert chapter_summary(nb) == "Does it work?"
+    assert chapter_summary(nb) == "Does it *work*?"
 
 
 def test_site_needs_executed_chapters(tmp_path):
     with pytest.raises(ValueError, match="no executed chapters"):
         build_site(tmp_path, tmp_path / "site")
+
+
+# --- the site: rendered questions, links to pages, navigation, one plotly.js ------------------------------------
+
+def test_summary_is_rendered_markdown_with_links_to_pages():
+    from course_utils.site import markdown_html, rewrite_links
+    text = "[Chapter 01](01_kv_cache.ipynb) bought *speed*: see [chapter 09](09_distill.ipynb#part-2) and x_y_z"
+    page = rewrite_links(markdown_html(text), {"01_kv_cache"})
+    assert '<a href="01_kv_cache.html">Chapter 01</a>' in page and "<em>speed</em>" in page and "x_y_z" in page
+    assert "09_distill" not in page and '<span class="missing-chapter"' in page and "chapter 09</span>" in page
+    assert "](" not in page and not page.startswith("<p>")
+
+
+def test_rewrite_links_keeps_anchors_and_leaves_other_links_alone():
+    from course_utils.site import rewrite_links
+    page = ('<a href="02_prefill_decode.ipynb#4.-Two-roofs">roofs</a> <a class="x" href="https://example.org/a.ipynb">ext</a> '
+            '<a href="#local">here</a>')
+    out = rewrite_links(page, {"02_prefill_decode"})
+    assert '<a href="02_prefill_decode.html#4.-Two-roofs">roofs</a>' in out
+    assert 'href="https://example.org/a.ipynb"' in out and 'href="#local"' in out
+
+
+def test_shared_plotlyjs_replaces_the_embedded_copy():
+    from course_utils.site import share_plotlyjs
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell("setup_notebook()")
+    bundle = "<script>window.PlotlyConfig = {};</script><script>/**\n* plotly.js v9.9.9\n*/" + "x" * 200_000 + "</script>"
+    chart = ('<div><script src="https://cdnjs.cloudflare.com/ajax/libs/mathjax/3.2.2/es5/tex-svg.min.js"></script>'
+             '<div id="a" class="plotly-graph-div"></div><script>Plotly.newPlot("a", [])</script></div>')
+    cell.outputs = [nbformat.v4.new_output("display_data", data={"text/html": bundle, "text/plain": ""}),
+                    nbformat.v4.new_output("display_data", data={"text/html": chart, "text/plain": "fig"})]
+    nb.cells = [cell]
+    out = share_plotlyjs(nb)
+    assert len(out.cells[0].outputs) == 1
+    html = out.cells[0].outputs[0].data["text/html"]
+    assert "Plotly.newPlot" in html and "mathjax" not in html
+
+
+def test_site_pages_link_to_each_other_and_share_one_plotlyjs(tmp_path):
+    nbdir = tmp_path / "executed"
+    nbdir.mkdir()
+    for stem, title, body in [("01_a", "# 01 — First", "**The question.** Does [chapter 02](02_b.ipynb) exist?"),
+                              ("02_b", "# 02 — Second", "**The question.** Back to [chapter 01](01_a.ipynb)?"),
+                              ("03_c", "# 03 — Third", "**The question.** And [chapter 04](04_d.ipynb)?")]:
+        nb = nbformat.v4.new_notebook()
+        nb.cells = [nbformat.v4.new_markdown_cell(f"{title}\n\n{body}"),
+                    nbformat.v4.new_markdown_cell("## 1. Part one\n\ntext\n\n## 2. Part two\n\nmore")]
+        nbformat.write(nb, nbdir / f"{stem}.ipynb")
+    index = build_site(nbdir, tmp_path / "site")
+    site = index.parent
+    assert sorted(p.name for p in site.iterdir()) == ["01_a.html", "02_b.html", "03_c.html", "index.html", "plotly.min.js"]
+    text = index.read_text()
+    assert '<a href="02_b.html">chapter 02</a>' in text and "](" not in text and "04_d" not in text
+    first, middle, last = ((site / f"{s}.html").read_text() for s in ("01_a", "02_b", "03_c"))
+    assert 'rel="next" href="02_b.html"' in first and 'rel="prev"' not in first
+    assert 'rel="prev" href="01_a.html"' in middle and 'rel="next" href="03_c.html"' in middle
+    assert 'rel="next"' not in last and 'rel="prev" href="02_b.html"' in last
+    assert '<script src="plotly.min.js"></script>' in first and not re.search(r'<script[^>]*src="https?:', first)
+    assert first.count('href="index.html"') == 2
+    assert 'href="#1.-Part-one"' in first and 'href="#2.-Part-two"' in first           # the contents list
+    assert '<title>01 — First</title>' in first
+    assert 'href="02_b.html">chapter 02</a>' in first and ".ipynb" not in first
