@@ -1,7 +1,13 @@
 """Chapter 04 -- batching: the batch-size sweep, its knee, and static vs continuous batching simulated.
 
 * :func:`decode_step_sweep` measures one decode step for B requests that each hold a
-  64-token cache; :func:`find_knee` finds where growing the batch stops paying.
+  64-token cache; :func:`find_knee` finds where growing the batch stops paying, and
+  :func:`doubling_gains` / :func:`knees_per_round` say how firmly, from the spread between rounds.
+* :func:`roofline_sweep` and :func:`roofline_crossover_batch` predict the same curve from
+  chapter 02's two roofs (the machine's FLOP/s and bytes/s); :func:`decode_intensity` gives a
+  step's FLOP per byte from a model's shape alone (for a reference model not loaded here).
+* :func:`time_block_gather` measures what the engine's attention pays to copy every
+  sequence's blocks into one contiguous tensor per layer.
 * :class:`StepCost` turns the sweep into a per-step cost function of the batch size.
 * :func:`syllabus_output_lengths` builds the chapter's workload (64 requests, median 18,
   longest 231, 1,874 output tokens); :func:`skewed_lengths` dials its skew.
@@ -30,11 +36,13 @@ from .validation import check_positive_int, check_positive_ints
 
 @dataclass(frozen=True)
 class SweepPoint:
-    """One batch size of the sweep: the median seconds of one decode step and their spread."""
+    """One batch size of the sweep: the median seconds of one decode step, their spread, and
+    the seconds of each timed round (``samples_s[r]``: round r, the same round for every batch size)."""
 
     batch: int
     step_s: float
     spread_s: float
+    samples_s: tuple[float, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,7 +101,7 @@ def decode_step_sweep(model, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *, context_le
             if r:
                 samples[b].append(t)
             del cache
-    return [SweepPoint(b, float(np.median(s)), (max(s) - min(s)) / 2) for b, s in samples.items()]
+    return [SweepPoint(b, float(np.median(s)), (max(s) - min(s)) / 2, tuple(s)) for b, s in samples.items()]
 
 
 def find_knee(batch_sizes: Sequence[int], tokens_per_s: Sequence[float], *, min_gain: float = 0.25) -> int | None:
@@ -116,6 +124,123 @@ def find_knee(batch_sizes: Sequence[int], tokens_per_s: Sequence[float], *, min_
         return None
     paid = [i for i, g in enumerate(gains) if g >= min_gain]
     return sizes[paid[-1] + 1] if paid else sizes[0]
+
+
+@dataclass(frozen=True)
+class DoublingGain:
+    """Throughput gained from batch ``b1`` to ``b2``, per doubling of the batch: the median over
+    the sweep's rounds and the lowest and highest round (0.5 = 50 % more tokens/s per doubling)."""
+
+    b1: int
+    b2: int
+    median: float
+    low: float
+    high: float
+
+
+def _gain_per_doubling(b1: int, b2: int, t1_s: float, t2_s: float) -> float:
+    return ((b2 / t2_s) / (b1 / t1_s)) ** (1 / math.log2(b2 / b1)) - 1
+
+
+def _rounds(points: Sequence[SweepPoint]) -> int:
+    n = {len(p.samples_s) for p in points}
+    if len(n) != 1 or not min(n):
+        raise ValueError("every sweep point needs the same number of per-round samples (decode_step_sweep keeps them)")
+    return n.pop()
+
+
+def doubling_gains(points: Sequence[SweepPoint]) -> list[DoublingGain]:
+    """The gain per doubling between consecutive batch sizes, round by round (rounds are interleaved,
+    so round r of every batch size ran under the same conditions), summarised as median / low / high."""
+    n = _rounds(points)
+    out = []
+    for p, q in zip(points, points[1:]):
+        g = [_gain_per_doubling(p.batch, q.batch, p.samples_s[r], q.samples_s[r]) for r in range(n)]
+        out.append(DoublingGain(p.batch, q.batch, float(np.median(g)), min(g), max(g)))
+    return out
+
+
+def knees_per_round(points: Sequence[SweepPoint], *, min_gain: float = 0.25) -> list[int | None]:
+    """:func:`find_knee` applied to each timed round alone: how stable the knee is from round to round."""
+    n = _rounds(points)
+    b = [p.batch for p in points]
+    return [find_knee(b, [p.batch / p.samples_s[r] for p in points], min_gain=min_gain) for r in range(n)]
+
+
+# ---- the roofline's prediction ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RooflinePoint:
+    """The roofline's floor for one decode step of ``batch`` sequences: its arithmetic at the compute
+    roof and its bytes at the memory roof (seconds); the step takes at least the larger."""
+
+    batch: int
+    compute_s: float
+    memory_s: float
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.step_s
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+def roofline_sweep(model, batch_sizes, *, context_len: int, peak_flops: float,
+                   bandwidth_Bps: float) -> list[RooflinePoint]:
+    """The sweep as the roofline predicts it: for each B, :func:`~course_utils.prefill_decode.forward_flops`
+    of one new token per sequence over ``context_len`` cached ones, and
+    :func:`~course_utils.prefill_decode.decode_step_bytes` (weights once, every sequence's cache),
+    against the two measured roofs (chapter 02)."""
+    from .prefill_decode import decode_step_bytes, forward_flops, ridge_intensity
+
+    ridge_intensity(peak_flops, bandwidth_Bps)                      # validates both roofs
+    check_positive_int("context_len", context_len)
+    return [RooflinePoint(b, forward_flops(model, 1, context_len, batch=b) / peak_flops,
+                          decode_step_bytes(model, context_len, batch=b) / bandwidth_Bps)
+            for b in _check_batch_sizes(batch_sizes)]
+
+
+def roofline_crossover_batch(model, *, context_len: int, peak_flops: float, bandwidth_Bps: float,
+                             max_batch: int = 1 << 16) -> int | None:
+    """The smallest batch whose decode step the roofline calls compute-bound (arithmetic time >= memory
+    time), or None if none up to ``max_batch`` is (the caches' bytes grow with B as fast as the FLOPs)."""
+    def compute_bound(b: int) -> bool:
+        p = roofline_sweep(model, [b], context_len=context_len, peak_flops=peak_flops, bandwidth_Bps=bandwidth_Bps)[0]
+        return p.compute_s >= p.memory_s
+
+    if not compute_bound(max_batch):
+        return None
+    lo, hi = 1, max_batch                     # compute time grows faster with B than memory time: bisect
+    if compute_bound(lo):
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if compute_bound(mid) else (mid, hi)
+    return hi
+
+
+def decode_intensity(dims, n_weights: int, *, bytes_per_weight: float, batch: int, context_len: int) -> float:
+    """FLOP per byte of one decode step from a model's shape alone (chapter 02's roofline x axis).
+
+    ``n_weights``: the weights the step multiplies (every matrix, the LM head included, once);
+    ``dims``: a :class:`~course_utils.models.ModelDims`. FLOPs: 2 per weight per sequence plus the
+    attention over ``context_len + 1`` positions; bytes: the weights once plus every sequence's
+    keys and values, all at ``bytes_per_weight``. Norms, biases and activations are left out.
+    """
+    from .kv_cache import attention_macs
+
+    check_positive_int("batch", batch)
+    check_positive_int("n_weights", n_weights)
+    flops = 2 * batch * (n_weights + attention_macs(1, context_len + 1, dims))
+    moved = (n_weights + batch * context_len * dims.kv_elements_per_token) * bytes_per_weight
+    return flops / moved
 
 
 @dataclass(frozen=True)
@@ -250,7 +375,7 @@ class Schedule:
 
     @property
     def latencies_s(self) -> np.ndarray:
-        """Seconds from arrival (t = 0) until each request is heard."""
+        """Seconds from arrival (t = 0) until each request is heard: what a user waits."""
         return np.array([s.heard_s for s in sorted(self.spans, key=lambda s: s.request)])
 
     @property
@@ -260,6 +385,31 @@ class Schedule:
     @property
     def p95_latency_s(self) -> float:
         return float(np.percentile(self.latencies_s, 95))
+
+    @property
+    def latencies_from_admission_s(self) -> np.ndarray:
+        """Seconds from getting a slot (a static batch's start) until each request is heard: the queue left out."""
+        return np.array([s.heard_s - s.start_s for s in sorted(self.spans, key=lambda s: s.request)])
+
+    @property
+    def mean_latency_from_admission_s(self) -> float:
+        return float(self.latencies_from_admission_s.mean())
+
+    @property
+    def p95_latency_from_admission_s(self) -> float:
+        return float(np.percentile(self.latencies_from_admission_s, 95))
+
+    @property
+    def generating_s(self) -> np.ndarray:
+        """Seconds from getting a slot until each request's own last token (whether heard then or not)."""
+        return np.array([s.end_s - s.start_s for s in sorted(self.spans, key=lambda s: s.request)])
+
+    @property
+    def padding_share(self) -> float:
+        """Share of the slot time held by requests that were done but not yet heard (static batching's
+        padding): sum(heard - end) / sum(heard - start); 0 under continuous batching."""
+        held = sum(s.heard_s - s.start_s for s in self.spans)
+        return sum(s.heard_s - s.end_s for s in self.spans) / held if held > 0 else 0.0
 
 
 def _check_workload(lengths, slots: int) -> list[int]:
@@ -325,24 +475,34 @@ def simulate(lengths: Sequence[int], slots: int, policy: str, step_cost: Callabl
 # ---- figures --------------------------------------------------------------------------------------
 
 
-def sweep_figure(points: Sequence[SweepPoint], knee: int | None) -> go.Figure:
-    """Throughput and per-request latency against the batch size, the knee marked."""
+def sweep_figure(points: Sequence[SweepPoint], knee: int | None,
+                 roofline: Sequence[RooflinePoint] | None = None) -> go.Figure:
+    """Throughput and per-request latency against the batch size, the knee marked; with ``roofline``
+    (the same batch sizes), the roofline's bound beside each measured curve, dashed."""
     from plotly.subplots import make_subplots
     b = [p.batch for p in points]
     fig = make_subplots(rows=1, cols=2, subplot_titles=("throughput", "per-request latency of one step"))
-    fig.add_scatter(x=b, y=[p.tokens_per_s for p in points], name="tokens/s", mode="lines+markers",
+    fig.add_scatter(x=b, y=[p.tokens_per_s for p in points], name="tokens/s, measured", mode="lines+markers",
                     line_color=PALETTE[0], row=1, col=1)
-    fig.add_scatter(x=b, y=[p.latency_s * 1e3 for p in points], name="ms per step", mode="lines+markers",
+    fig.add_scatter(x=b, y=[p.latency_s * 1e3 for p in points], name="ms per step, measured", mode="lines+markers",
                     line_color=PALETTE[1], row=1, col=2,
                     error_y=dict(type="data", array=[p.spread_s * 1e3 for p in points], visible=True))
+    if roofline is not None:
+        if [r.batch for r in roofline] != b:
+            raise ValueError("the roofline points must have the sweep's batch sizes")
+        fig.add_scatter(x=b, y=[r.tokens_per_s for r in roofline], name="tokens/s, roofline bound",
+                        mode="lines", line=dict(color=PALETTE[0], dash="dash"), row=1, col=1)
+        fig.add_scatter(x=b, y=[r.step_s * 1e3 for r in roofline], name="ms per step, roofline floor",
+                        mode="lines", line=dict(color=PALETTE[1], dash="dash"), row=1, col=2)
     if knee is not None:
         for col in (1, 2):
-            fig.add_vline(x=knee, line_dash="dash", line_color=PALETTE[5], row=1, col=col)
+            fig.add_vline(x=knee, line_dash="dot", line_color=PALETTE[5], row=1, col=col)
     first, last = points[0], points[-1]
     title = (f"{last.batch / first.batch:.0f}x the requests bring {last.tokens_per_s / first.tokens_per_s:.1f}x "
              f"the throughput and {last.step_s / first.step_s:.1f}x the latency"
              + (f"; knee at B = {knee}" if knee else "; no knee in this range"))
-    fig.update_layout(template=TEMPLATE, title=title, height=420, hovermode="closest")
+    fig.update_layout(template=TEMPLATE, title=title, height=440, hovermode="closest",
+                      legend=dict(orientation="h", x=0, xanchor="left", y=-0.22, yanchor="top"), margin=dict(b=110))
     fig.update_xaxes(type="log", title="batch size B (requests)", tickvals=b)
     fig.update_yaxes(title="tokens/s", row=1, col=1)
     fig.update_yaxes(title="ms per step", row=1, col=2)
@@ -454,6 +614,64 @@ def run_engine_workload(model, prompts: list[list[int]], lengths: Sequence[int],
                        prefix_caching=False, dtype=dtype, weights=weights)
     seqs = engine.generate(prompts, [int(n) for n in lengths], ignore_eos=True, progress=progress)
     return engine, seqs
+
+
+# ---- what the gather of blocks costs ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GatherCost:
+    """One decode step of the engine's runner and, timed interleaved with it, the block gathers alone.
+
+    ``copied_bytes``: what the gathers copy per step (every sequence's keys and values, all
+    layers, whole blocks); a paged-attention kernel reads the same bytes in place and copies none.
+    """
+
+    batch: int
+    context_len: int
+    step_s: float
+    gather_s: float
+    copied_bytes: int
+
+    @property
+    def share(self) -> float:
+        """The gathers' share of the step."""
+        return self.gather_s / self.step_s
+
+
+@torch.no_grad()
+def time_block_gather(model, *, batch: int, context_len: int, block_size: int = 16, weights=None,
+                      repeats: int = 5, seed: int = 0) -> GatherCost:
+    """Time a decode step of ``batch`` sequences holding ``context_len`` cached positions each, and the
+    per-layer gathers of their blocks (``index_select`` of keys and values, every layer) on their own.
+
+    The sequences' blocks are scattered over the pool in a random order, as a busy paged cache leaves
+    them; their keys and values are zeros (what is gathered does not change what gathering costs).
+    """
+    from .engine import ModelRunner
+    from .measure import time_interleaved
+    check_positive_int("batch", batch)
+    check_positive_int("context_len", context_len)
+    per_seq = math.ceil((context_len + 1) / block_size)
+    runner = ModelRunner(model, num_blocks=batch * per_seq, block_size=block_size, weights=weights)
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.randperm(batch * per_seq, generator=gen).tolist()
+    seqs = []
+    for i in range(batch):
+        ids = torch.randint(0, runner.embed.shape[0], (context_len + 1,), generator=gen).tolist()
+        seq = Sequence(i, ids, 1, block_size=block_size)
+        seq.block_table = order[i * per_seq:(i + 1) * per_seq]
+        seqs.append(seq)
+    inp = runner.prepare(seqs, is_prefill=False)
+    tables = inp.block_tables.view(-1)
+
+    def gathers():
+        return [(runner.k_blocks[i].index_select(0, tables), runner.v_blocks[i].index_select(0, tables))
+                for i in range(len(runner.layers))]
+
+    t = time_interleaved({"step": lambda: runner.forward(inp), "gather": gathers}, warmup=1, repeats=repeats,
+                         device=runner.device)
+    copied = 2 * len(runner.layers) * tables.numel() * runner.k_blocks[0].shape[1] * runner.k_pool.element_size()
+    return GatherCost(batch, context_len, t["step"].median_s, t["gather"].median_s, copied)
 
 
 # ---- looking inside the paged cache ---------------------------------------------------------------------

@@ -5,9 +5,12 @@ import numpy as np
 import plotly.graph_objects as go
 import pytest
 
-from course_utils.batching import (StepCost, SweepPoint, decode_step_sweep, find_knee, paged_kv_bytes,
-                                   policy_gantt, reserved_kv_bytes, round_preserving_total, simulate,
-                                   skewed_lengths, sweep_figure, syllabus_output_lengths)
+from course_utils.batching import (RooflinePoint, StepCost, SweepPoint, decode_intensity, decode_step_sweep,
+                                   doubling_gains, find_knee, knees_per_round, paged_kv_bytes, policy_gantt,
+                                   reserved_kv_bytes, roofline_crossover_batch, roofline_sweep,
+                                   round_preserving_total, simulate, skewed_lengths, sweep_figure,
+                                   syllabus_output_lengths, time_block_gather)
+from course_utils.models import ModelDims
 
 REF_TOK_S = [7.0, 13.0, 25.0, 41.0, 42.0 * 1.0, 45.78, 50.0]   # flattens after 8
 
@@ -88,6 +91,20 @@ def test_simulate_by_hand():
     assert [(s.slot, s.start_s, s.heard_s) for s in cont.spans] == [(0, 0, 1), (1, 0, 3), (0, 1, 3), (0, 3, 5)]
     assert static.mean_latency_s == 4 and cont.mean_latency_s == 3
     assert static.throughput_tok_s == cont.throughput_tok_s == pytest.approx(8 / 5)
+    # the admission clock: static batches start at 0 and 3, continuous requests at 0, 0, 1, 3
+    assert list(static.latencies_from_admission_s) == [3, 3, 2, 2] and static.mean_latency_from_admission_s == 2.5
+    assert list(cont.latencies_from_admission_s) == [1, 3, 2, 2] and cont.mean_latency_from_admission_s == 2
+    assert list(cont.generating_s) == [1, 3, 2, 2]
+    # padding: request 0 is done at 1 but heard at 3; requests 2 and 3 end together
+    assert static.padding_share == pytest.approx(2 / (3 + 3 + 2 + 2)) and cont.padding_share == 0
+
+
+def test_equal_lengths_leave_static_batching_nothing_to_pad():
+    cost = StepCost((1, 8, 64), (0.1, 0.15, 0.5))
+    even = simulate([20] * 16, 8, "static", cost)
+    assert even.padding_share == 0
+    skewed = simulate(syllabus_output_lengths()[:16], 8, "static", cost)
+    assert skewed.padding_share > 0.3
 
 
 def test_static_padding_costs_more_when_steps_grow_with_the_batch():
@@ -141,9 +158,68 @@ def test_decode_step_sweep_runs_on_a_tiny_model(tiny_model):
     points = decode_step_sweep(tiny_model, (1, 2, 4), context_len=8, repeats=2, progress=False)
     assert [p.batch for p in points] == [1, 2, 4]
     assert all(p.step_s > 0 and p.spread_s >= 0 and p.tokens_per_s == p.batch / p.step_s for p in points)
+    assert all(len(p.samples_s) == 2 and p.step_s == pytest.approx(np.median(p.samples_s)) for p in points)
     fig = sweep_figure(points, find_knee([1, 2, 4], [p.tokens_per_s for p in points]))
     assert len(fig.data) == 2
+    roof = roofline_sweep(tiny_model, (1, 2, 4), context_len=8, peak_flops=1e10, bandwidth_Bps=1e10)
+    assert len(sweep_figure(points, None, roof).data) == 4
+    with pytest.raises(ValueError, match="batch sizes"):
+        sweep_figure(points, None, roof[:2])
     with pytest.raises(ValueError, match="increasing"):
         decode_step_sweep(tiny_model, (4, 2), progress=False)
     with pytest.raises(ValueError, match="context_len"):
         decode_step_sweep(tiny_model, (1,), context_len=0, progress=False)
+
+
+def _points(rounds: list[list[float]], batches=(1, 2, 4, 8)) -> list[SweepPoint]:
+    """Sweep points from per-round step times (rounds[r][i]: round r, batch i)."""
+    per_batch = list(zip(*rounds))
+    return [SweepPoint(b, float(np.median(t)), (max(t) - min(t)) / 2, tuple(t)) for b, t in zip(batches, per_batch)]
+
+
+def test_doubling_gains_pair_the_rounds_and_report_their_range():
+    # round 0: every step costs the same (throughput doubles); round 1: the step doubles from 4 to 8
+    pts = _points([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 2.0]])
+    gains = doubling_gains(pts)
+    assert [(g.b1, g.b2) for g in gains] == [(1, 2), (2, 4), (4, 8)]
+    assert gains[0].median == pytest.approx(1.0) and gains[0].low == gains[0].high == pytest.approx(1.0)
+    assert gains[2].low == pytest.approx(0.0) and gains[2].high == pytest.approx(1.0)
+    assert knees_per_round(pts, min_gain=0.25) == [None, 4]
+    with pytest.raises(ValueError, match="per-round samples"):
+        doubling_gains([SweepPoint(1, 0.1, 0.0), SweepPoint(2, 0.1, 0.0)])
+
+
+def test_roofline_sweep_follows_the_larger_of_two_floors(tiny_llama):
+    from course_utils.prefill_decode import decode_step_bytes, forward_flops
+    peak, bw = 1e9, 1e9
+    pts = roofline_sweep(tiny_llama, (1, 2, 4, 64), context_len=8, peak_flops=peak, bandwidth_Bps=bw)
+    for p in pts:
+        assert p.compute_s == pytest.approx(forward_flops(tiny_llama, 1, 8, batch=p.batch) / peak)
+        assert p.memory_s == pytest.approx(decode_step_bytes(tiny_llama, 8, batch=p.batch) / bw)
+        assert p.step_s == max(p.compute_s, p.memory_s) and p.bound == ("compute" if p.compute_s >= p.memory_s else "memory")
+    b = roofline_crossover_batch(tiny_llama, context_len=8, peak_flops=peak, bandwidth_Bps=bw)
+    below, at = (roofline_sweep(tiny_llama, [x], context_len=8, peak_flops=peak, bandwidth_Bps=bw)[0] for x in (b - 1, b))
+    assert below.bound == "memory" and at.bound == "compute"
+    # a machine with a huge compute roof never becomes compute-bound within reach
+    assert roofline_crossover_batch(tiny_llama, context_len=8, peak_flops=1e30, bandwidth_Bps=bw, max_batch=1024) is None
+    with pytest.raises(ValueError, match="peak_flops"):
+        roofline_sweep(tiny_llama, (1,), context_len=8, peak_flops=0, bandwidth_Bps=bw)
+
+
+def test_decode_intensity_is_about_the_batch_for_two_byte_weights():
+    dims = ModelDims(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, vocab_size=100)
+    assert decode_intensity(dims, 10**6, bytes_per_weight=2, batch=1, context_len=0) == pytest.approx(1.0, rel=1e-3)
+    assert decode_intensity(dims, 10**6, bytes_per_weight=4, batch=8, context_len=0) == pytest.approx(4.0, rel=1e-3)
+    long = decode_intensity(dims, 10**6, bytes_per_weight=2, batch=32, context_len=4096)
+    assert long < 32                                         # the caches' bytes grow with the batch too
+    with pytest.raises(ValueError, match="batch"):
+        decode_intensity(dims, 10**6, bytes_per_weight=2, batch=0, context_len=0)
+
+
+def test_time_block_gather_counts_the_copied_bytes(tiny_model):
+    cost = time_block_gather(tiny_model, batch=3, context_len=20, block_size=8, repeats=2)
+    dims = tiny_model.config
+    per_position = 2 * dims.num_key_value_heads * (dims.hidden_size // dims.num_attention_heads) * 4   # k and v, fp32
+    blocks = 3 * 3                                             # 21 positions in blocks of 8, three sequences
+    assert cost.copied_bytes == dims.num_hidden_layers * blocks * 8 * per_position
+    assert cost.step_s > 0 and cost.gather_s > 0 and 0 < cost.share

@@ -8,7 +8,7 @@ import torch
 
 from course_utils import outliers as O
 from course_utils.hooks import decoder_layers
-from course_utils.quantize import count_levels
+from course_utils.quantize import Scheme, count_levels
 
 
 def test_hooks_record_the_same_states_as_output_hidden_states(tiny_model):
@@ -62,6 +62,68 @@ def test_one_huge_dimension_leaves_ordinary_dimensions_one_level():
     assert (count_levels(O.int8_codes(x, small).T)[1][1:] > 20).all()
 
 
+def test_int8_codes_use_the_255_symmetric_levels():
+    x = torch.tensor([[-10.0, -1.0, 0.0, 1.0, 10.0]])
+    codes = O.int8_codes(x, 10 / 127)
+    assert codes.min() == -127 and codes.max() == 127            # -128 stays unused, as in chapter 05
+    assert O.int8_codes(x * 2, 10 / 127).min() == -127          # values beyond the scale clip to -127
+    assert O.INT8_LEVELS == 255 == Scheme("absmax", 8, "tensor").n_levels
+
+
+def test_residual_updates_add_up_to_the_stream_bit_for_bit(tiny_model):
+    ids = torch.randint(0, 128, (1, 10))
+    h = O.residual_stream(tiny_model, ids)
+    parts = O.residual_updates(tiny_model, ids)
+    assert parts["attention"].shape == parts["mlp"].shape == h.shape
+    x = parts["embeddings"]
+    for layer in range(h.shape[0]):
+        x = x + parts["attention"][layer]
+        x = x + parts["mlp"][layer]
+        assert torch.equal(x, h[layer])
+
+
+def test_massive_activations_find_one_token_and_not_a_dimension():
+    h = _stream_with_outlier()
+    found = O.massive_activations(h, min_abs=100, ratio=1000)
+    assert [(f["token"], f["dim"]) for f in found][:1] == [(0, 20)]        # the one huge value
+    assert found[0]["layers"] == [0] and found[0]["peak_layer"] == 0
+    assert all(f["dim"] != 11 for f in found)                          # 50 on one token: not massive
+    assert not O.massive_activations(torch.randn(3, 8, 16))
+
+
+def test_outlier_features_follow_llm_int8s_criterion():
+    torch.manual_seed(0)
+    layers = [torch.randn(50, 16) for _ in range(8)]
+    for x in layers[:3]:
+        x[:10, 5] = 8.0                                                   # dim 5: >= 6 on 20 % of tokens, 3 of 8 layers
+    for x in layers[:1]:
+        x[:10, 9] = 8.0                                                   # dim 9: one layer only (< 25 %)
+    layers[4][:2, 7] = 8.0                                                # dim 7: 4 % of the tokens only
+    assert O.outlier_features(layers) == {5: 3}
+    assert O.outlier_features(layers, layer_share=0.1) == {5: 3, 9: 1}
+    with pytest.raises(ValueError, match="one width"):
+        O.outlier_features([torch.randn(3, 4), torch.randn(3, 5)])
+
+
+def test_attention_to_the_first_token_is_a_share_and_restores_the_attention(tiny_model):
+    ids = torch.randint(0, 128, (1, 12))
+    before = tiny_model.config._attn_implementation
+    share = O.attention_to_first_token(tiny_model, ids)
+    assert share.shape == (tiny_model.config.num_hidden_layers,)
+    assert ((share > 0) & (share < 1)).all()
+    assert tiny_model.config._attn_implementation == before
+    with pytest.raises(ValueError, match="at least 2"):
+        O.attention_to_first_token(tiny_model, ids[:, :1])
+
+
+def test_token_dim_figure_draws_every_cell():
+    x = torch.randn(5, 7)
+    fig = O.token_dim_figure(x, list("abcde"), title="t")
+    assert len(fig.data[0].z) == 5 and len(fig.data[0].z[0]) == 7
+    with pytest.raises(ValueError, match="one label per token"):
+        O.token_dim_figure(x, ["a"], title="t")
+
+
 def test_fake_int8_error_is_at_most_half_a_step():
     torch.manual_seed(0)
     x = torch.randn(30, 40) * 3
@@ -89,6 +151,12 @@ def test_smoothing_keeps_the_product_and_helps_an_outlier_channel():
     plain = O.per_token_error(y, O.w8a8_output(x, w, "tensor"))
     smooth = O.per_token_error(y, O.smoothquant_output(x, w, 0.5, act="tensor"))
     assert smooth < plain / 3
+    x_other = torch.randn(64, 32)                                         # other text, same outlier channel
+    x_other[:, 3] *= 200
+    calibrated = O.smoothquant_output(x_other, w, 0.5, act="tensor", x_calib=x)
+    assert not torch.equal(calibrated, O.smoothquant_output(x_other, w, 0.5, act="tensor"))
+    assert O.per_token_error(x_other @ w.T, calibrated) < O.per_token_error(x_other @ w.T,
+                                                                            O.w8a8_output(x_other, w, "tensor")) / 3
 
 
 def test_fix_errors_and_sweeps():
@@ -103,6 +171,10 @@ def test_fix_errors_and_sweeps():
     assert sw["kept"] == sorted(sw["kept"], reverse=True)
     al = O.alpha_sweep(x, w, [0.0, 0.5, 1.0])
     assert len(al["error_tensor"]) == 3
+    blind = O.alpha_sweep(x, w, [0.0, 0.5, 1.0], x_calib=torch.randn(40, 32))    # text without the outlier channel
+    assert blind["error_tensor"][0] == pytest.approx(al["error_tensor"][0])       # alpha 0 ignores the activations
+    assert blind["error_tensor"][1] > 2 * al["error_tensor"][1]                   # the smoothing missed channel 0
+    assert O.fix_errors(x, w, x_calib=x)["SmoothQuant alpha 0.5, per-tensor"] == errs["SmoothQuant alpha 0.5, per-tensor"]
 
 
 def test_threshold_figure_is_pure_and_redraws():
@@ -117,13 +189,19 @@ def test_threshold_figure_is_pure_and_redraws():
         O.threshold_figure(sweeps, 2.0)
 
 
-def test_pick_layers_uses_the_activations():
-    x_quiet, x_loud = torch.ones(5, 8), torch.ones(5, 8)
-    x_loud[0, 3] = 1000
-    picked = O.pick_layers({"m.layers.0.self_attn.q_proj": x_quiet, "m.layers.1.self_attn.q_proj": x_quiet * 2,
-                            "m.layers.1.mlp.down_proj": x_loud})
-    assert picked["most extreme input"] == "m.layers.1.mlp.down_proj"
-    assert picked["reads the residual stream"].endswith("q_proj")
+def test_pick_layers_tells_one_token_from_one_dimension():
+    torch.manual_seed(0)
+    quiet, token, column = torch.randn(20, 8), torch.randn(20, 8), torch.randn(20, 8)
+    token[0, 3] = 1000                                     # one value on one token
+    column[:, 5] = 50 + torch.rand(20)                      # one dimension large on every token
+    assert O.token_concentration(token) > 100 and O.token_concentration(column) < 2
+    assert O.dimension_concentration(column) > 20 and O.dimension_concentration(token) < 5
+    picked = O.pick_layers({"m.layers.0.self_attn.q_proj": quiet, "m.layers.1.mlp.down_proj": token,
+                            "m.layers.1.self_attn.q_proj": column})
+    assert picked == {"one token": "m.layers.1.mlp.down_proj", "one dimension": "m.layers.1.self_attn.q_proj"}
+    assert O.pick_layers({"only": token}) == {"one token": "only"}
+    with pytest.raises(ValueError, match="empty"):
+        O.pick_layers({})
     assert O.default_layer(24) == 16 and O.default_layer(2) == 1
 
 
