@@ -468,7 +468,8 @@ def fit_bars_figure(cards: dict, *, title: str):
         memory = float(next(iter(rows.values())).memory_bytes) / GIB
         fig.add_vline(x=memory, line_dash="dash", line_color=PALETTE[7], row=1, col=col)
         fig.update_xaxes(title="GiB", row=1, col=col)
-    fig.update_layout(template=TEMPLATE, title=title, barmode="stack", height=120 + 34 * max(len(r) for r in cards.values()),
-                      hovermode="closest")
+    fig.update_layout(template=TEMPLATE, title=title, barmode="stack", height=170 + 34 * max(len(r) for r in cards.values()),
+                      hovermode="closest", margin=dict(b=110),
+                      legend=dict(orientation="h", yanchor="top", y=-0.28, xanchor="left", x=0.0))
     fig.update_yaxes(autorange="reversed")
     return fig

@@ -471,11 +471,14 @@ def roofline_figure(points: dict, *, peak_flops: float, bandwidth_Bps: float, ti
                                for i in grid], mode="lines", name="roofline: min(compute roof, intensity × bandwidth)",
                     line=dict(color=PALETTE[7], width=2), hoverinfo="skip")
     for (name, series), color in zip(points.items(), [PALETTE[0], PALETTE[1], PALETTE[2], PALETTE[3]]):
-        fig.add_scatter(x=[p[0] for p in series], y=[p[1] / 1e9 for p in series], text=[p[2] for p in series],
-                        mode="markers+text", textposition="top center", name=name,
+        # the first and last point of a series are labelled on the chart; every point has its label on hover
+        shown = [p[2] if i in (0, len(series) - 1) else "" for i, p in enumerate(series)]
+        fig.add_scatter(x=[p[0] for p in series], y=[p[1] / 1e9 for p in series], text=shown,
+                        customdata=[p[2] for p in series], mode="markers+text", textposition="top center", name=name,
                         marker=dict(size=9, color=color),
-                        hovertemplate="%{text}: %{x:,.2f} FLOP/byte, %{y:,.2f} GFLOP/s<extra></extra>")
-    fig.add_vline(x=ridge, line_dash="dash", line_color=PALETTE[5],
-                  annotation_text=f"ridge: {ridge:,.0f} FLOP/byte", annotation_position="bottom right")
+                        hovertemplate="%{customdata}: %{x:,.2f} FLOP/byte, %{y:,.2f} GFLOP/s<extra></extra>")
+    fig.add_scatter(x=[ridge], y=[peak_flops / 1e9], mode="markers", name=f"ridge: {ridge:,.1f} FLOP/byte",
+                    marker=dict(size=12, symbol="diamond", color=PALETTE[5]),
+                    hovertemplate="ridge: %{x:,.2f} FLOP/byte<extra></extra>")
     fig.update_layout(hovermode="closest")
     return fig

@@ -136,7 +136,7 @@ nav.course-nav.bottom { border-top: 1px solid #ddd; border-bottom: 0; margin: 2r
 nav.course-nav a { color: #0072B2; text-decoration: none; } nav.course-nav a:hover { text-decoration: underline; }
 nav.course-contents { font-family: Helvetica, Arial, sans-serif; margin: 0 1rem 1.5rem; padding: .5rem 1rem;
   border-left: 3px solid #0072B2; background: #f6f9fc; }
-nav.course-contents ol { margin: .3rem 0; } nav.course-contents li { margin: .15rem 0; }
+nav.course-contents ul { margin: .3rem 0; padding-left: 1rem; list-style: none; } nav.course-contents li { margin: .15rem 0; }
 .missing-chapter { border-bottom: 1px dotted #888; }
 </style>"""
 
@@ -153,7 +153,7 @@ def _contents(sections: list[tuple[str, str]]) -> str:
     if not sections:
         return ""
     items = "".join(f'<li><a href="#{anchor}">{html.escape(text)}</a></li>' for anchor, text in sections)
-    return f'<nav class="course-contents" aria-label="sections of this chapter"><strong>In this chapter</strong><ol>{items}</ol></nav>'
+    return f'<nav class="course-contents" aria-label="sections of this chapter"><strong>In this chapter</strong><ul>{items}</ul></nav>'
 
 
 def decorate_page(page: str, chapters: list[Chapter], i: int) -> str:

@@ -218,11 +218,12 @@ def test_roofline_figure_draws_both_roofs_and_every_point():
     peak, bw = 100e9, 10e9
     points = {"prefill": [(50.0, 60e9, "P=64")], "decode": [(0.5, 2e9, "C=16"), (0.6, 2.1e9, "C=64")]}
     fig = pd.roofline_figure(points, peak_flops=peak, bandwidth_Bps=bw, title="t")
-    roof, prefill_trace, decode_trace = fig.data
+    roof, prefill_trace, decode_trace, ridge = fig.data
     assert max(roof.y) == pytest.approx(100.0) and min(roof.y) == pytest.approx(min(roof.x) * 10)   # GFLOP/s
     assert 10.0 in list(roof.x)                                                     # the ridge is on the line
     assert list(decode_trace.x) == [0.5, 0.6] and list(decode_trace.y) == pytest.approx([2.0, 2.1])
-    assert list(prefill_trace.text) == ["P=64"]
+    assert list(prefill_trace.text) == ["P=64"] and list(decode_trace.customdata) == ["C=16", "C=64"]
+    assert list(ridge.x) == [10.0] and list(ridge.y) == [100.0]
     assert fig.layout.xaxis.type == "log" and fig.layout.yaxis.type == "log"
     with pytest.raises(ValueError):
         pd.roofline_figure(points, peak_flops=0, bandwidth_Bps=bw, title="t")
