@@ -26,6 +26,7 @@ SECTIONS: list[tuple[str, str]] = [
     ("04 batching", "course_utils.bench.batching"),
     ("05 weight quantization", "course_utils.bench.quantize"),
     ("06 activation outliers", "course_utils.bench.outliers"),
+    ("07 evaluating quantization", "course_utils.bench.evaluate"),
 ]
 
 

@@ -1,0 +1,198 @@
+"""Chapter 07 -- a quantized KV cache that later tokens really read.
+
+Keys and values are quantized differently, as KIVI does (Liu et al. 2024):
+
+* **keys per channel**: in each head, every channel (one of the ``head_dim`` numbers of a key)
+  gets its own scale and minimum per group of ``group_size`` consecutive tokens. Keys have a
+  few channels that are large for every token, so a per-token scale would be set by those
+  channels and flatten the rest;
+* **values per token**: each token's value vector gets its own scale and minimum per group of
+  ``group_size`` channels. Values have no such channels, and the attention output mixes them
+  token by token.
+
+Both use the asymmetric min/max rounding of chapter 05 (:func:`course_utils.quantize.fake_quantize`
+with ``Scheme("minmax", bits, "group", group_size)``): ``bits``-bit codes plus an fp16 step and an
+fp16 minimum per group.
+
+:class:`QuantizedKVCache` is a transformers cache that *stores* what it has been given in that form
+(de-quantised to float32 again, "fake quantization": the values are exactly those a quantized cache
+would hand to attention; the memory is not saved here, it is computed by
+:func:`course_utils.memory_sizing.kv_bytes_per_token`). A forward pass reads the cache's stored
+(quantized) keys and values of every earlier token, plus its own tokens and the most recent
+``residual`` tokens in full precision. So to measure a quantized cache, the text must be fed in
+pieces: a chunk's own tokens attend to each other in full precision, and only later chunks read
+them quantized (``course_utils.evaluate`` scores text exactly that way). Fed as one forward pass,
+a text would never read its cache at all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from .memory_sizing import quantized_bits
+from .quantize import Scheme, fake_quantize
+from .validation import check_non_negative_int, check_positive_int
+
+AXES = ("channel", "token")
+
+
+@dataclass(frozen=True)
+class KVQuantSpec:
+    """How a KV cache is quantized (chapter 07).
+
+    ``bits``: 2..8; ``group_size``: elements sharing one fp16 step and one fp16 minimum;
+    ``key_axis`` / ``value_axis``: ``"channel"`` (a scale per channel, over ``group_size``
+    consecutive tokens) or ``"token"`` (a scale per token, over ``group_size`` consecutive
+    channels of one head). KIVI's choice, the default: keys per channel, values per token.
+    """
+
+    bits: int = 4
+    group_size: int = 64
+    key_axis: str = "channel"
+    value_axis: str = "token"
+
+    def __post_init__(self):
+        if not isinstance(self.bits, int) or isinstance(self.bits, bool) or not 2 <= self.bits <= 8:
+            raise ValueError(f"bits must be an integer from 2 to 8, got {self.bits!r}")
+        check_positive_int("group_size", self.group_size)
+        for name in ("key_axis", "value_axis"):
+            if getattr(self, name) not in AXES:
+                raise ValueError(f"{name} must be one of {AXES}, got {getattr(self, name)!r}")
+
+    @property
+    def name(self) -> str:
+        """A short label such as ``"KV int4 (K per channel, V per token)"``."""
+        return f"KV int{self.bits} (K per {self.key_axis}, V per {self.value_axis})"
+
+    @property
+    def bits_per_element(self) -> float:
+        """Bits one cached number costs: its code plus its share of a 16-bit step and a 16-bit minimum."""
+        return quantized_bits(self.bits, self.group_size, zero_point_bits=16)
+
+    @property
+    def scheme(self) -> Scheme:
+        return Scheme("minmax", self.bits, "group", self.group_size, pad=True)
+
+
+def _check_states(x) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
+        raise ValueError(f"keys/values must be a float (batch, heads, tokens, head_dim) tensor, "
+                         f"got {getattr(x, 'shape', type(x).__name__)}")
+
+
+def fake_quantize_kv(x: torch.Tensor, spec: KVQuantSpec, axis: str) -> torch.Tensor:
+    """Keys or values (batch, heads, tokens, head_dim) after quantization along ``axis``, in x's dtype.
+
+    ``axis="channel"``: each channel of each head has a scale per ``group_size`` tokens;
+    ``axis="token"``: each token of each head has a scale per ``group_size`` channels.
+    A group cut short by the end of the tensor is simply shorter.
+    """
+    _check_states(x)
+    if axis not in AXES:
+        raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
+    if x.shape[2] == 0:
+        return x
+    b, h, t, d = x.shape
+    if axis == "token":
+        rows = x.reshape(b * h * t, d)
+        return fake_quantize(rows, spec.scheme).reshape(b, h, t, d).to(x.dtype)
+    rows = x.transpose(2, 3).reshape(b * h * d, t)          # one row per channel, tokens along it
+    return fake_quantize(rows, spec.scheme).reshape(b, h, d, t).transpose(2, 3).contiguous().to(x.dtype)
+
+
+class QuantizedKVLayer(DynamicLayer):
+    """One layer's cache: quantized keys and values for older tokens, full precision for the recent ones.
+
+    ``update`` returns, for attention, the stored (quantized) part, the full-precision part and the
+    new tokens, in order. Then the new tokens join the full-precision part, and whole groups of
+    ``group_size`` tokens move from it into the quantized part as long as at least ``residual``
+    tokens stay behind. With ``residual=0`` and passes whose lengths are multiples of ``group_size``,
+    every token older than the current pass is read quantized; otherwise the last, incomplete group
+    waits in full precision until it is complete (a per-channel scale needs its whole group of tokens,
+    which is why KIVI keeps such a residual).
+    """
+
+    def __init__(self, spec: KVQuantSpec, residual: int = 0):
+        super().__init__()
+        self.spec, self.residual = spec, check_non_negative_int("residual", residual)
+        self.quantized_tokens = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        self.q_keys, self.q_values = self.keys, self.values          # empty, right dtype and device
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        keys = torch.cat([self.q_keys, self.keys, key_states], dim=-2)
+        values = torch.cat([self.q_values, self.values, value_states], dim=-2)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self._flush()
+        return keys, values
+
+    def _flush(self) -> None:
+        n = self.keys.shape[-2]
+        g = self.spec.group_size
+        movable = (n - self.residual) // g * g                        # whole groups of tokens only
+        if movable <= 0:
+            return
+        old_k, old_v = self.keys[..., :movable, :], self.values[..., :movable, :]
+        self.q_keys = torch.cat([self.q_keys, fake_quantize_kv(old_k, self.spec, self.spec.key_axis)], dim=-2)
+        self.q_values = torch.cat([self.q_values, fake_quantize_kv(old_v, self.spec, self.spec.value_axis)], dim=-2)
+        self.keys, self.values = self.keys[..., movable:, :], self.values[..., movable:, :]
+        self.quantized_tokens += movable
+
+    def get_seq_length(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return self.q_keys.shape[-2] + self.keys.shape[-2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def reset(self) -> None:
+        super().reset()
+        self.q_keys = self.q_values = None
+        self.quantized_tokens = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a quantized cache cannot be cropped")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.get_seq_length() > 0:
+            for name in ("q_keys", "q_values", "keys", "values"):
+                setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.get_seq_length() > 0:
+            for name in ("q_keys", "q_values", "keys", "values"):
+                setattr(self, name, getattr(self, name)[indices, ...])
+
+
+class QuantizedKVCache(Cache):
+    """A transformers cache whose every layer is a :class:`QuantizedKVLayer` (chapter 07)::
+
+        cache = QuantizedKVCache(model.config, KVQuantSpec(bits=4))
+        model(first_chunk, cache=cache, use_cache=True)        # its keys/values are now stored quantized
+        model(next_chunk, cache=cache, use_cache=True)         # ... and read quantized here
+
+    Only models whose every layer attends to the whole context (no sliding window) are accepted.
+    """
+
+    def __init__(self, config, spec: KVQuantSpec, *, residual: int = 0):
+        if not isinstance(spec, KVQuantSpec):
+            raise TypeError(f"expected a KVQuantSpec, got {type(spec).__name__}")
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        if set(types) != {"full_attention"}:
+            raise ValueError(f"QuantizedKVCache needs full attention in every layer; this model has {sorted(set(types))}")
+        self.spec = spec
+        super().__init__(layers=[QuantizedKVLayer(spec, residual) for _ in range(text.num_hidden_layers)])
+
+    @property
+    def quantized_tokens(self) -> int:
+        """Tokens whose keys and values are stored quantized (layer 0's count; all layers agree)."""
+        return self.layers[0].quantized_tokens if self.layers else 0
