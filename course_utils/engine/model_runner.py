@@ -4,7 +4,10 @@ The pool holds keys and values for every layer as ``(num_blocks * block_size, n_
 head_dim)`` tensors, allocated once. A step runs the new tokens of all scheduled sequences
 as one flat batch through the linear layers; in each layer it first writes their keys
 and values into the slots their block tables name, then gathers each sequence's whole
-context block by block (one indexed read for the batch) and attends to it.
+context block by block (one indexed read for the batch) and attends to it. The gather is a
+contiguous copy of every sequence's keys and values, per layer and per step, where a
+paged-attention kernel (vLLM's, FlashInfer's) reads the blocks in place; plain PyTorch has
+no such kernel. Chapter 04 measures what the copy costs (``batching.time_block_gather``).
 
 At construction the runner fuses the query/key/value projections into one matrix and
 the gate/up projections into another, so a layer runs four matrix products. It supports
