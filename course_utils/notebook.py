@@ -61,3 +61,21 @@ def machine_summary(device=None) -> str:
     else:
         where = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
     return f"{where}; PyTorch {torch.__version__}; {platform.system()}"
+
+
+#: Where :func:`summary_note` leaves its text in a cell's output metadata (read by :mod:`course_utils.run_all`).
+SUMMARY_NOTE_KEY = "course_utils/summary_note"
+
+
+def summary_note(text: str) -> None:
+    """Show ``text`` (Markdown) in the notebook and hand it to the main job's summary, below the chapter table
+    (chapter 11: what did not run here, and how to run it elsewhere)."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import Markdown, display
+        if get_ipython() is not None:
+            display(Markdown(text), metadata={SUMMARY_NOTE_KEY: text})
+            return
+    except ImportError:
+        pass
+    print(text)

