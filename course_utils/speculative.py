@@ -517,6 +517,23 @@ def modified_rejection(p: torch.Tensor, q: torch.Tensor, guess: int, generator: 
     return False, sample_token(residual / total, generator)
 
 
+def modified_rejection_draws(p: torch.Tensor, q: torch.Tensor, n: int, generator: torch.Generator):
+    """``n`` independent runs of :func:`modified_rejection` at once, each with its own guess drawn from ``q``:
+    the same rule, vectorised (for checking its distribution with many draws). Returns ``(tokens (n,),
+    accepted (n,) bool)``."""
+    check_positive_int("n", n)
+    guesses = torch.multinomial(q, n, replacement=True, generator=generator)
+    u = torch.rand(n, generator=generator, dtype=p.dtype)
+    accepted = u * q[guesses] < p[guesses]
+    tokens = guesses.clone()
+    residual = (p - q).clamp_min(0)
+    rejected = int((~accepted).sum())
+    if rejected and residual.sum() > 0:
+        tokens[~accepted] = torch.multinomial(residual / residual.sum(), rejected, replacement=True,
+                                              generator=generator)
+    return tokens, accepted
+
+
 def speculative_sample_step(ps: list[torch.Tensor], qs: list[torch.Tensor], guesses: list[int],
                             generator: torch.Generator, rule: Callable = modified_rejection) -> list[int]:
     """One verification pass of speculative sampling, on distributions: the tokens it keeps.

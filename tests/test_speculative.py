@@ -238,3 +238,15 @@ def test_speculative_sampling_runs_with_top_k(target):
                                  seed=1)
     assert len(got.tokens) == 10 and got.tokens == again.tokens and 0 <= got.stats.acceptance <= 1
     assert not math.isnan(got.stats.tokens_per_pass)
+
+
+def test_vectorised_draws_follow_p_and_accept_one_minus_tv():
+    p, q = _toy_tables()
+    p, q = p[2].double(), q[2].double()
+    gen = torch.Generator().manual_seed(4)
+    tokens, accepted = S.modified_rejection_draws(p, q, 40000, gen)
+    counts = torch.bincount(tokens, minlength=p.shape[0]).double()
+    assert _chi_square_p_value(counts, p) > SIGNIFICANCE
+    assert float(accepted.double().mean()) == pytest.approx(1 - total_variation(p, q), abs=0.01)
+    wrong = torch.bincount(torch.multinomial(q, 40000, replacement=True, generator=gen), minlength=p.shape[0])
+    assert _chi_square_p_value(wrong.double(), p) < SIGNIFICANCE            # the draft's own draws are told apart

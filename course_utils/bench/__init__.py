@@ -27,6 +27,7 @@ SECTIONS: list[tuple[str, str]] = [
     ("05 weight quantization", "course_utils.bench.quantize"),
     ("06 activation outliers", "course_utils.bench.outliers"),
     ("07 evaluating quantization", "course_utils.bench.evaluate"),
+    ("08 speculative decoding", "course_utils.bench.speculative"),
     ("11 serving", "course_utils.bench.serving"),
 ]
 
