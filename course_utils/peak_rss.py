@@ -33,3 +33,36 @@ class PeakSampler(threading.Thread):
         self.join()
         self.peak = max(self.peak, self.read())
         return self.peak
+
+
+#: Set in the environment of a server a chapter starts (chapter 11): the main job leaves such processes, and
+#: their children, out of the kernel's RSS (the chapter reports their memory itself).
+SERVER_ENV = "COURSE_UTILS_SERVER"
+
+
+def tree_rss_bytes(root, *, exclude_servers: bool = True, _seen: dict | None = None) -> int:
+    """RSS summed over ``root``'s descendants (a ``psutil.Process``), leaving out servers marked with
+    :data:`SERVER_ENV` and everything under them. ``_seen`` caches, between calls, which processes
+    (pid and start time) are servers."""
+    import psutil
+
+    seen = {} if _seen is None else _seen
+    total = 0
+    try:
+        children = root.children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return 0
+    servers = set()
+    for child in children:
+        try:
+            if exclude_servers:
+                key = (child.pid, child.create_time())
+                if key not in seen:
+                    seen[key] = SERVER_ENV in child.environ()
+                if seen[key] or child.ppid() in servers:
+                    servers.add(child.pid)
+                    continue
+            total += child.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return total

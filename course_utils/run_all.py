@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from .peak_rss import PeakSampler
+from .peak_rss import PeakSampler, tree_rss_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -37,15 +37,13 @@ class Result:
     note: str = ""
 
 
+_SERVERS_SEEN: dict = {}      # (pid, start time) -> whether that process is a chapter's server
+
+
 def kernel_rss_bytes() -> int:
-    """RSS summed over this process's child processes (the Jupyter kernel and its children)."""
-    total = 0
-    for child in psutil.Process().children(recursive=True):
-        try:
-            total += child.memory_info().rss
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return total
+    """RSS summed over this process's child processes (the Jupyter kernel and its children), except the servers
+    a chapter starts (chapter 11), which it reports itself."""
+    return tree_rss_bytes(psutil.Process(), _seen=_SERVERS_SEEN)
 
 
 def chapter_notebooks(only: list[str] | None = None) -> list[Path]:

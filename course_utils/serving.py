@@ -50,7 +50,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .peak_rss import PeakSampler
+from .peak_rss import SERVER_ENV, PeakSampler
 from .prefill_decode import inter_token_gaps_s, tpot_s, ttft_s
 from .validation import check_finite, check_non_negative_int, check_positive_int
 
@@ -669,7 +669,8 @@ class ServerProcess:
     def start(self, *, progress: bool = True) -> "ServerProcess":
         if self.proc is not None:
             raise RuntimeError(f"{self.name} was already started")
-        kw: dict = dict(env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL)
+        env = dict(os.environ if self.env is None else self.env, **{SERVER_ENV: self.name})
+        kw: dict = dict(env=env, cwd=self.cwd, stdin=subprocess.DEVNULL)
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log = open(self.log_path, "wb")
@@ -804,7 +805,8 @@ def latency_cdf_figure(results: dict[str, ReplayResult]):
         slowest = max(medians, key=medians.get)
         title = (f"Same trace: {fastest}'s median TTFT is {medians[fastest] * 1e3:,.0f} ms, {slowest}'s "
                  f"{medians[slowest] * 1e3:,.0f} ms")
-    fig.update_layout(template=TEMPLATE, height=420, hovermode="closest", title=title)
+    fig.update_layout(template=TEMPLATE, height=440, hovermode="closest", title=title,
+                      legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="center", x=0.5))
     fig.update_xaxes(title="time to first token (ms)", row=1, col=1)
     fig.update_xaxes(title="time per output token (ms)", row=1, col=2)
     fig.update_yaxes(title="fraction of requests", range=[0, 1.02], row=1, col=1)
@@ -867,9 +869,10 @@ def rate_sweep_figure(sweeps: dict[str, list[RatePoint]]):
                             line_color=color, row=1, col=col)
     gains = {name: pts[-1].summary.output_throughput / pts[0].summary.output_throughput for name, pts in sweeps.items()}
     load = sweeps[next(iter(sweeps))][-1].rate_per_s / sweeps[next(iter(sweeps))][0].rate_per_s
-    fig.update_layout(template=TEMPLATE, height=420, hovermode="closest",
-                      title=f"Offering {load:g}× the load bought " + ", ".join(f"{name} {g:.2f}× the throughput"
-                                                                            for name, g in gains.items()))
+    fig.update_layout(template=TEMPLATE, height=440, hovermode="closest",
+                      legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="center", x=0.5),
+                      title=f"{load:g}× the offered load bought " + ", ".join(f"{g:.2f}× the throughput from {name}"
+                                                                             for name, g in gains.items()))
     fig.update_xaxes(title="offered load (requests/s)")
     fig.update_yaxes(title="tokens/s", row=1, col=1)
     fig.update_yaxes(title="ms", row=1, col=2)

@@ -181,8 +181,15 @@ def ensure_env(*, quiet: bool = True) -> str:
     return msg
 
 
-def vllm_available() -> Support:
-    """Can the chapter run its vLLM half now: vLLM supported here and its environment installed?"""
+def vllm_available(device: str = "cpu") -> Support:
+    """Can the chapter run its vLLM half now? On the CPU: vLLM's CPU build supported here and its environment
+    installed from the current lock. On a GPU (``device="cuda"``): an environment of your own with ``vllm``,
+    named by ``COURSE_VLLM_ENV``."""
+    if device != "cpu":
+        if os.environ.get(ENV_VARIABLE) and env_python().exists():
+            return Support(True)
+        return Support(False, f"for DEVICE = {device!r}, create an environment with `pip install vllm` (the GPU build) "
+                              f"and point {ENV_VARIABLE} at it.")
     support = vllm_support()
     if not support:
         return support
@@ -223,8 +230,8 @@ def start_vllm_server(model_folder: str | Path, *, served_model_name: str = "vll
     """
     from .serving import ServerProcess, free_port
 
-    available = vllm_available()
-    if not available and device == "cpu":
+    available = vllm_available(device)
+    if not available:
         raise RuntimeError(f"vLLM cannot run here: {available.reason} {HOW_ELSEWHERE}")
     port = free_port() if port is None else port
     cmd = [str(env_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_folder),
@@ -328,15 +335,31 @@ class VllmBench:
         if sys.platform.startswith("linux"):
             from .serving import die_with_parent
             kw["preexec_fn"] = die_with_parent
+        from .peak_rss import SERVER_ENV, PeakSampler
         with open(Path(self.tmp) / "log.txt", "w") as log:
-            self.proc = subprocess.Popen(cmd, env=env_variables(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=log, text=True, bufsize=1, **kw)
+            self.proc = subprocess.Popen(cmd, env={**env_variables(), SERVER_ENV: "vllm bench serve"},
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                         bufsize=1, **kw)
         atexit.register(self.close)
+        self._sampler = PeakSampler(self._rss, interval_s=0.5)
+        self._sampler.start()
         self._expect("ready")
         self.prompts, self.prompt_lens = [], []
         if bench_args:
             data = json.loads((Path(self.tmp) / "prompts.json").read_text())
             self.prompts, self.prompt_lens = data["prompts"], data["prompt_lens"]
+
+    def _rss(self) -> int:
+        import psutil
+        try:
+            return psutil.Process(self.proc.pid).memory_info().rss
+        except (psutil.Error, AttributeError):
+            return 0
+
+    @property
+    def peak_rss(self) -> int:
+        """Peak resident memory of the helper process so far (bytes)."""
+        return self._sampler.peak
 
     def _expect(self, word: str) -> None:
         line = self.proc.stdout.readline().strip()
@@ -382,6 +405,7 @@ class VllmBench:
 
     def close(self) -> None:
         atexit.unregister(self.close)
+        self._sampler.stop()
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")

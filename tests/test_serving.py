@@ -445,3 +445,48 @@ def test_a_chapter_note_reaches_the_main_jobs_summary(tmp_path):
     table = summary_markdown([Result("11_serving", "ok", 100.0, int(1e9), note=note)], "this machine")
     assert "11_serving: vLLM did not run: run it elsewhere" in table
     assert summary_notes(tmp_path / "missing.ipynb") == ""
+
+
+def test_the_main_job_leaves_a_chapters_servers_out_of_the_kernels_memory(tiny_gguf):
+    from course_utils.peak_rss import tree_rss_bytes
+    server = start_engine_server(str(tiny_gguf), num_blocks=16, block_size=8, max_num_seqs=2, progress=False)
+    try:
+        me = psutil.Process()
+        with_servers = tree_rss_bytes(me, exclude_servers=False)
+        assert with_servers >= server.peak_total_rss * 0.5 > 0
+        assert tree_rss_bytes(me) < with_servers - 50e6          # the server loaded a model; it is left out
+    finally:
+        server.stop()
+
+
+# ---- where vLLM can run, and the set-up step's messages ---------------------------------------------------------------
+
+def test_vllm_support_says_why_not(monkeypatch):
+    monkeypatch.setattr(vllm_env.platform, "system", lambda: "Darwin")
+    monkeypatch.setattr(vllm_env.platform, "machine", lambda: "arm64")
+    s = vllm_env.vllm_support()
+    assert not s and "Linux x86-64" in s.reason and "Darwin arm64" in s.reason
+    monkeypatch.setattr(vllm_env.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(vllm_env.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(vllm_env, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert "AVX-512" in vllm_env.vllm_support().reason
+    monkeypatch.setattr(vllm_env, "_cpu_flags", lambda: {"avx2", "avx512f"})
+    monkeypatch.setattr(vllm_env, "_total_memory_bytes", lambda: 2 * 2**30)
+    assert "2.0 GiB" in vllm_env.vllm_support().reason
+    monkeypatch.setattr(vllm_env, "_total_memory_bytes", lambda: 24 * 2**30)
+    assert vllm_env.vllm_support()
+
+
+def test_the_set_up_step_skips_vllm_with_a_message(monkeypatch, capsys):
+    monkeypatch.setenv("COURSE_VLLM", "0")
+    assert "skipped (COURSE_VLLM=0)" in vllm_env.ensure_env()
+    monkeypatch.delenv("COURSE_VLLM")
+    monkeypatch.setattr(vllm_env.platform, "system", lambda: "Windows")
+    msg = vllm_env.ensure_env()
+    assert "skipped" in msg and "course-engine half" in msg and msg in capsys.readouterr().out
+
+
+def test_vllm_on_a_gpu_needs_an_environment_of_your_own(monkeypatch):
+    monkeypatch.delenv("COURSE_VLLM_ENV", raising=False)
+    s = vllm_env.vllm_available("cuda")
+    assert not s and "pip install vllm" in s.reason and "COURSE_VLLM_ENV" in s.reason
