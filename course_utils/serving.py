@@ -871,8 +871,8 @@ def rate_sweep_figure(sweeps: dict[str, list[RatePoint]]):
     load = sweeps[next(iter(sweeps))][-1].rate_per_s / sweeps[next(iter(sweeps))][0].rate_per_s
     fig.update_layout(template=TEMPLATE, height=440, hovermode="closest",
                       legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="center", x=0.5),
-                      title=f"{load:g}× the offered load bought " + ", ".join(f"{g:.2f}× the throughput from {name}"
-                                                                             for name, g in gains.items()))
+                      title=f"{load:g}× the offered load: throughput " + ", ".join(f"×{g:.2f} ({name})"
+                                                                              for name, g in gains.items()))
     fig.update_xaxes(title="offered load (requests/s)")
     fig.update_yaxes(title="tokens/s", row=1, col=1)
     fig.update_yaxes(title="ms", row=1, col=2)
