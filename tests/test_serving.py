@@ -406,7 +406,7 @@ def test_the_client_agrees_with_vllm_bench_serve_live_check(vllm_server):
     course client's TTFT and TPOT medians within 10 % of vLLM's. The two clients run side by side (the course
     client's requests half a gap after vLLM's), so a busy moment of the machine hits both."""
     server, folder = vllm_server
-    n, input_len, output_len, rate = 8, 64, 24, 2.0
+    n, input_len, output_len, rate = 16, 64, 16, 2.0
     args = vllm_env.bench_serve_args(server.base_url, folder, "vllm", num_prompts=n, input_len=input_len,
                                      output_len=output_len, request_rate=rate, seed=0, num_warmups=0)
     ours, theirs = {"ttft": [], "tpot": []}, {"ttft": [], "tpot": []}
