@@ -158,8 +158,16 @@ def scored_logprobs(model, ids, windows: Windows, *, chunk: int | None = None,
         for a in range(scored_from, scored_from + n_scored, step):
             b = min(a + step, scored_from + n_scored)
             logits = model(ids[:, a:b], cache=cache, use_cache=True).logits[0].float()
-            yield logits.sub_(logits.logsumexp(-1, keepdim=True)).cpu(), ids[0, a + 1:b + 1].cpu()   # log-softmax, in place
+            yield _log_softmax_(logits).cpu(), ids[0, a + 1:b + 1].cpu()
         del cache
+
+
+def _log_softmax_(logits: torch.Tensor, block_rows: int = 64) -> torch.Tensor:
+    """log-softmax over the last dimension, in place, ``block_rows`` rows at a time (no full-size temporary)."""
+    for a in range(0, logits.shape[0], block_rows):
+        block = logits[a:a + block_rows]
+        block.sub_(block.logsumexp(-1, keepdim=True))
+    return logits
 
 
 def scored_targets(ids, windows: Windows) -> torch.Tensor:
@@ -236,7 +244,8 @@ class ReferenceRun:
         if isinstance(stored, torch.Tensor):
             return stored
         if self._loaded[0] != i:
-            self._loaded = (i, torch.load(stored, weights_only=True))
+            self._loaded = (None, None)                          # free the previous chunk first
+            self._loaded = (i, torch.load(stored, weights_only=True, mmap=True))
         return self._loaded[1]
 
     @property

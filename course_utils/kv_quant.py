@@ -121,7 +121,8 @@ class QuantizedKVLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        self.q_keys, self.q_values = self.keys, self.values          # empty, right dtype and device
+        self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]   # empty (batch, heads, 0, head_dim)
+        self.q_keys, self.q_values = self.keys, self.values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:

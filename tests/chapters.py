@@ -33,6 +33,8 @@ REDUCED: dict[str, dict] = {
     "06": dict(THRESHOLDS=[0.5, 2, 6, 64], ALPHAS=[0.0, 0.5, 1.0]),
     "07": dict(N_TOKENS=48, WINDOW=40, STRIDE=24, CHUNK=16, OTHER_TOKENS=24, FLOOR_TOKENS=16, AGREE_TOKENS=8,
                BATTERY_TOKENS=4, AWQ_CALIB_TOKENS=32, AWQ_GRID=2, KV_BITS=[8, 2], KV_GROUP=16, KV_TOKENS=32),
+    "08": dict(GAMMAS=[1, 2], DRAFT_LAYERS=[1], N_PROMPTS=1, PROMPT_TOKENS=16, N_NEW=8, REPEATS=1, LOOKUP_GAMMA=4,
+               HEAD_TOKENS=256, HEAD_STEPS=3, HEAD_SECONDS=5, SAMPLING_DRAWS=2000, SAMPLING_POSITIONS=1),
     # chapter 11's vLLM half needs its own environment and minutes of start-up: the second run serves the
     # tiny model with the course engine only
     "11": dict(RUN_VLLM=False, N_REQUESTS=8, MEDIAN_OUTPUT=3, LONGEST_OUTPUT=10, TOTAL_OUTPUT=40, PROMPT_TOKENS=[4, 12],

@@ -388,6 +388,15 @@ def test_the_quantized_cache_is_what_the_next_chunk_reads(tiny_model):
         assert torch.allclose(tiny_model(x2, cache=manual).logits, b, atol=1e-5)
 
 
+def test_tokens_short_of_a_group_wait_in_full_precision(tiny_llama):
+    cache = QuantizedKVCache(tiny_llama.config, KVQuantSpec(4, group_size=8))
+    with torch.no_grad():
+        tiny_llama(IDS[:, :3], cache=cache)
+        assert cache.quantized_tokens == 0 and cache.get_seq_length() == 3
+        tiny_llama(IDS[:, 3:9], cache=cache)
+    assert cache.quantized_tokens == 8 and cache.get_seq_length() == 9 and cache.layers[1].keys.shape[-2] == 1
+
+
 def test_a_residual_keeps_recent_whole_groups_in_full_precision(tiny_llama):
     cache = QuantizedKVCache(tiny_llama.config, KVQuantSpec(4, group_size=4), residual=6)
     with torch.no_grad():

@@ -81,3 +81,23 @@ def test_bandwidth_samples_and_compute_roof_are_positive_rates():
     assert measure_matmul_flops(n=64, repeats=2) > 0
     with pytest.raises(ValueError, match="n must be"):
         measure_matmul_flops(n=0)
+
+
+def test_steady_allocator_keeps_rss_close_to_the_memory_in_use():
+    import random
+
+    from course_utils.measure import steady_allocator
+    with pytest.raises(ValueError):
+        steady_allocator(0)
+    if not steady_allocator():
+        pytest.skip("not glibc: steady_allocator does nothing here")
+    random.seed(0)
+    big = torch.ones(40 * 2**18)                   # a large buffer freed first (glibc would raise its threshold)
+    del big
+    base, live, worst = rss_bytes(), [], 0
+    for _ in range(300):                           # temporaries of 1-28 MB, a few alive at a time, freed in any order
+        live.append(torch.ones(random.randint(1, 28) * 2**18))
+        if len(live) > 4:
+            live.pop(random.randrange(len(live)))
+        worst = max(worst, rss_bytes() - base - sum(t.numel() * 4 for t in live))
+    assert worst < 50e6                            # glibc's default here: ~190 MB above what is in use
