@@ -42,8 +42,8 @@ SERVER_ENV = "COURSE_UTILS_SERVER"
 
 def tree_rss_bytes(root, *, exclude_servers: bool = True, _seen: dict | None = None) -> int:
     """RSS summed over ``root``'s descendants (a ``psutil.Process``), leaving out servers marked with
-    :data:`SERVER_ENV` and everything under them. ``_seen`` caches, between calls, which processes
-    (pid and start time) are servers."""
+    :data:`SERVER_ENV` and everything under them. ``_seen`` remembers, between calls, the processes
+    (pid and start time) found to be servers."""
     import psutil
 
     seen = {} if _seen is None else _seen
@@ -57,9 +57,10 @@ def tree_rss_bytes(root, *, exclude_servers: bool = True, _seen: dict | None = N
         try:
             if exclude_servers:
                 key = (child.pid, child.create_time())
-                if key not in seen:
-                    seen[key] = SERVER_ENV in child.environ()
-                if seen[key] or child.ppid() in servers:
+                # only a server is remembered: between fork and exec a new server still has its parent's
+                # environment, so "not a server" may change once
+                if key in seen or SERVER_ENV in child.environ() or child.ppid() in servers:
+                    seen[key] = True
                     servers.add(child.pid)
                     continue
             total += child.memory_info().rss

@@ -421,9 +421,9 @@ async def _stream_one(client, url: str, model: str, index: int, request: TraceRe
                 if not line.startswith("data:"):
                     continue                                  # blank separators, SSE comments (pings)
                 data = line[5:].strip()
-                if data == "[DONE]":
-                    done = True
-                    break
+                if data == "[DONE]":      # read on to the end of the body: the connection then goes back to the
+                    done = True           # pool, as with vLLM's client, instead of a new one for every request
+                    continue
                 msg = json.loads(data)
                 if "error" in msg:
                     rec.error = f"the server reported an error mid-stream: {msg['error']}"
