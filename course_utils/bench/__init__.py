@@ -28,6 +28,7 @@ SECTIONS: list[tuple[str, str]] = [
     ("06 activation outliers", "course_utils.bench.outliers"),
     ("07 evaluating quantization", "course_utils.bench.evaluate"),
     ("08 speculative decoding", "course_utils.bench.speculative"),
+    ("09 distillation", "course_utils.bench.distill"),
     ("11 serving", "course_utils.bench.serving"),
 ]
 
