@@ -373,17 +373,21 @@ class VllmBench:
         self.proc.stdin.flush()
         self._expect("done")
 
-    def bench(self, alongside=None):
+    def bench(self, alongside=None, *, delay_s: float = 0.0):
         """One ``vllm bench serve`` round: its saved detailed result (ms; per-request ``ttfts``, ``itls``, ...).
 
         ``alongside``: a function to run at the same moment (the course client's replay of the same
         workload): the helper prepares the benchmark, waits until this process calls
         ``alongside()``, and starts its clock then, so that the two clients measure the same server at
-        the same time. Returns ``(result, alongside's result)`` then.
+        the same time. Returns ``(result, alongside's result)`` then. ``delay_s``: vLLM's client starts this
+        long after "go" (so that either client can be the one whose requests arrive first).
         """
+        if delay_s < 0:
+            raise ValueError(f"delay_s must be >= 0 seconds, got {delay_s}")
         name = f"round-{self.rounds}.json"
         self.rounds += 1
-        self.proc.stdin.write(json.dumps({"cmd": "bench", "name": name, "armed": alongside is not None}) + "\n")
+        self.proc.stdin.write(json.dumps({"cmd": "bench", "name": name, "armed": alongside is not None,
+                                          "delay_s": float(delay_s)}) + "\n")
         self.proc.stdin.flush()
         ours = None
         if alongside is not None:
@@ -434,6 +438,7 @@ def vllm_calculate_metrics(records, duration_s: float, *, percentiles=(50, 90, 9
 def _session_main(out_dir: str, bench_args: list[str]) -> None:
     """The helper process: draws the benchmark's prompts once, then runs commands read from stdin, one per line."""
     import argparse
+    import asyncio
     import contextlib
     from dataclasses import asdict
 
@@ -464,6 +469,7 @@ def _session_main(out_dir: str, bench_args: list[str]) -> None:
             async def when_told(*a, **kw):           # everything is prepared: wait for "go", then start the clock
                 print("@@armed", file=reply, flush=True)
                 sys.stdin.readline()
+                await asyncio.sleep(command.get("delay_s", 0.0))
                 return await original(*a, **kw)
 
             if command.get("armed"):

@@ -403,8 +403,12 @@ def vllm_server(tmp_path_factory):
 
 def test_the_client_agrees_with_vllm_bench_serve_live_check(vllm_server):
     """On a random-dataset workload that ``vllm bench serve`` generates, against the same vLLM server: the
-    course client's TTFT and TPOT medians within 10 % of vLLM's. The two clients run side by side (the course
-    client's requests half a gap after vLLM's), so a busy moment of the machine hits both."""
+    course client's TTFT and TPOT medians within 15 % of vLLM's. The two clients run side by side, a half gap
+    apart, so a busy moment of the machine hits both; which client's requests arrive first alternates from
+    round to round (a request that arrives while the other client's is in flight waits for it), so neither
+    client is always the one that waits. 15 %: what two clients on a 2-core machine that also runs the server
+    agree to; a timing stamped at the wrong moment (before the request is sent, at the role-only first chunk,
+    after the whole body) is off by far more."""
     server, folder = vllm_server
     n, input_len, output_len, rate = 16, 64, 16, 2.0
     args = vllm_env.bench_serve_args(server.base_url, folder, "vllm", num_prompts=n, input_len=input_len,
@@ -412,10 +416,13 @@ def test_the_client_agrees_with_vllm_bench_serve_live_check(vllm_server):
     ours, theirs = {"ttft": [], "tpot": []}, {"ttft": [], "tpot": []}
     with vllm_env.VllmBench(args) as bench:
         tr = make_trace(bench.prompts, [output_len] * n, rate_per_s=rate, process="fixed",
-                        prompt_tokens=bench.prompt_lens).shifted(0.5 / rate)
+                        prompt_tokens=bench.prompt_lens)
         replay(server.base_url, "vllm", tr, progress=False)                      # warm up the server
-        for _ in range(3):
-            result, res = bench.bench(alongside=lambda: replay(server.base_url, "vllm", tr, warmup=0, progress=False))
+        for round_ in range(4):
+            vllm_first = round_ % 2 == 0
+            mine = tr.shifted(0.5 / rate) if vllm_first else tr
+            result, res = bench.bench(alongside=lambda: replay(server.base_url, "vllm", mine, warmup=0, progress=False),
+                                      delay_s=0.0 if vllm_first else 0.5 / rate)
             assert result["completed"] == n and result["output_lens"] == [output_len] * n
             assert [r.prompt_tokens for r in res.records] == result["input_lens"]
             assert [r.output_tokens for r in res.records] == result["output_lens"]
@@ -425,7 +432,7 @@ def test_the_client_agrees_with_vllm_bench_serve_live_check(vllm_server):
             ours["tpot"] += [request_metrics(r).tpot_s for r in res.records]
     for metric in ("ttft", "tpot"):
         a, b = float(np.median(ours[metric])), float(np.median(theirs[metric]))
-        assert abs(a - b) <= 0.10 * b, f"{metric} median: course client {a * 1e3:.1f} ms vs vllm bench serve {b * 1e3:.1f} ms"
+        assert abs(a - b) <= 0.15 * b, f"{metric} median: course client {a * 1e3:.1f} ms vs vllm bench serve {b * 1e3:.1f} ms"
 
 
 def test_a_chapter_note_reaches_the_main_jobs_summary(tmp_path):
