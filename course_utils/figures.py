@@ -118,3 +118,13 @@ def figures_from(prefix: str, name: str, recompute, *, build_dir: str | Path | N
     if found is not None:
         return Sourced(found.data, found.where(), True)
     return Sourced(_plain(recompute()), recompute_note, False)
+
+
+def model_key(model) -> str:
+    """Which model a set of figures belongs to: its file or Hub name, its architecture and parameter count
+    (figures from one model never stand in for another's)."""
+    from pathlib import PurePath
+    cfg = model.config
+    name = PurePath(str(getattr(cfg, "name_or_path", "") or "")).name or "model"
+    n = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return f"{name} ({cfg.model_type}, {n:,} parameters)"

@@ -38,6 +38,12 @@ REDUCED: dict[str, dict] = {
     "09": dict(TOP_K=8, STUDENT_LAYERS=1, TRAIN_TOKENS=96, SEQ_LEN=16, STEPS=6, SEEDS=[0, 1], N_CHECKPOINTS=2,
                EVAL_TOKENS=32, EVAL_WINDOW=40, EVAL_STRIDE=32, CHUNK=16, PROMPT_TOKENS=8, NEW_TOKENS=8, GAMMA=2,
                TIMING_REPEATS=1, QAT_TOKENS=32, QAT_STEPS=2),
+    # BUILD: a folder of executed chapters 07 and 08 made for the tiny model (published_build), so the second
+    # run takes the path the main job takes, reading figures back; the first run (nbval) recomputes them
+    "10": dict(BATCH_SIZES=[1, 2], SWEEP_CONTEXT=16, SWEEP_REPEATS=1, SUM_BATCH=2, SUM_TOKENS=64, SUM_CHUNK=16,
+               EVAL_TOKENS=24, EVAL_WINDOW=32, EVAL_STRIDE=24, EVAL_CHUNK=8, FALLBACK_SCHEMES=["INT8 per-row"],
+               FALLBACK_KV_BITS=[8], KV_GROUP=16, LOOKUP_PROMPTS=["repetitive text"], LOOKUP_REPEATS=1,
+               MEMORY_BUDGET_MIB=8192, KLD_BOUND=1.0, MIN_TOKENS_PER_S=0.0, CONTEXT=256),
     # chapter 11's vLLM half needs its own environment and minutes of start-up: the second run serves the
     # tiny model with the course engine only
     "11": dict(RUN_VLLM=False, N_REQUESTS=8, MEDIAN_OUTPUT=3, LONGEST_OUTPUT=10, TOTAL_OUTPUT=40, PROMPT_TOKENS=[4, 12],
@@ -48,6 +54,44 @@ REDUCED: dict[str, dict] = {
 def reduced_parameters(chapter: Path, model: str) -> dict:
     """``MODEL`` plus the chapter's reduced sizes."""
     return {"MODEL": model, **REDUCED.get(chapter.name[:2], {})}
+
+
+def published_build(folder: Path, model_path: str) -> Path:
+    """A main job's output folder as chapter 10 reads it: executed chapters 07 and 08 holding the figures they
+    publish (:func:`course_utils.figures.publish`), for the model at ``model_path``. The figures are made up
+    (plausible sizes); what is tested is the path that reads them back."""
+    import json
+
+    from course_utils.figures import FIGURES_KEY, model_key
+    from course_utils.models import load_model
+    model, _ = load_model(model_path, dtype="float32", device="cpu", verbose=False)
+    key = model_key(model)
+    del model
+    quality = {"model": key, "text": "pride_and_prejudice", "n_tokens": 48, "kv_tokens": 32, "reference_bits": 32.0,
+               "weights": {"bf16": dict(proj_bits=16.0, rest_bits=16.0, kld=2e-4, kld_se=1e-5, same_top=0.99, agree=[8, 8]),
+                           "INT8 per-row": dict(proj_bits=8.02, rest_bits=32.0, kld=5e-4, kld_se=3e-5, same_top=0.98,
+                                                agree=[8, 8]),
+                           "INT4 group-64": dict(proj_bits=4.25, rest_bits=32.0, kld=0.05, kld_se=0.004, same_top=0.9,
+                                                 agree=[6, 8])},
+               "kv": {"KV int8 (K per channel, V per token)": dict(bits=8.5, kld=1e-5, kld_se=1e-6, same_top=1.0,
+                                                                   spec=[8, 16, "channel", "token"])},
+               "awq": {"base": "INT4 group-128", "calib_tokens": 32, "grid": 2}}
+    lookup = {"model": key, "gamma": 4, "prompts": [dict(name="repetitive text", copy_fraction=0.9, speedup=1.8,
+                                                         tokens_per_pass=3.1, tokens=8),
+                                                    dict(name="novel question", copy_fraction=0.1, speedup=0.9,
+                                                         tokens_per_pass=1.1, tokens=8)]}
+    out = folder / "notebooks"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, (fig, data) in {"07_evaluating_quantization": ("quality", quality),
+                              "08_speculative_decoding": ("lookup", lookup)}.items():
+        nb = nbformat.v4.new_notebook()
+        cell = nbformat.v4.new_code_cell("publish(...)")
+        cell.outputs = [nbformat.v4.new_output("display_data", data={"text/markdown": "kept"},
+                                               metadata={FIGURES_KEY: {"name": fig, "machine": "a test", "data": data}})]
+        nb.cells = [cell]
+        nb.metadata["papermill"] = {"end_time": "2026-12-01T00:00:00", "exception": None}
+        (out / f"{name}.ipynb").write_text(json.dumps(nb))
+    return folder
 
 
 SOLUTION_BLOCK = re.compile(r"^([ \t]*)```python[ \t]*\n(.*?)^\1```", re.M | re.S)

@@ -69,7 +69,7 @@ def tiny_gguf(tmp_path_factory):
 def second_run(tmp_path_factory, tiny_gguf):
     """``second_run(chapter) -> executed notebook``: the chapter on the tiny qwen2 GGUF with reduced sizes,
     executed with papermill once per test run (later calls return the same file)."""
-    from chapters import reduced_parameters, second_run_copy
+    from chapters import published_build, reduced_parameters, second_run_copy
 
     out_dir = tmp_path_factory.mktemp("second-run")
     done = {}
@@ -77,8 +77,10 @@ def second_run(tmp_path_factory, tiny_gguf):
     def run(chapter):
         if chapter not in done:
             import papermill as pm
-            source = second_run_copy(chapter, out_dir / f"input-{chapter.name}",
-                                     reduced_parameters(chapter, str(tiny_gguf)))
+            parameters = reduced_parameters(chapter, str(tiny_gguf))
+            if chapter.name.startswith("10"):                # chapter 10 reads earlier chapters' figures back
+                parameters["BUILD"] = str(published_build(out_dir / "published-build", str(tiny_gguf)))
+            source = second_run_copy(chapter, out_dir / f"input-{chapter.name}", parameters)
             target = out_dir / chapter.name
             pm.execute_notebook(str(source), str(target), cwd=str(chapter.parent), kernel_name="python3",
                                 progress_bar=False)

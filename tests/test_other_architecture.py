@@ -38,3 +38,17 @@ HERE = [c for c in CHAPTERS if c.name not in IN_THE_BROWSER]
 @pytest.mark.parametrize("chapter", HERE, ids=lambda p: p.stem)
 def test_chapter_runs_on_a_qwen2_gguf(chapter, second_run):
     check_second_run(second_run(chapter))
+
+
+@pytest.mark.notebooks
+def test_chapter_10_reads_the_figures_a_main_job_left(second_run):
+    """The second run of chapter 10 is given executed chapters 07 and 08 (``published_build``): it must say it read
+    their figures, and use them (the made-up INT4 group-64 row appears in its quality table)."""
+    import nbformat
+    chapter = next(p for p in CHAPTERS if p.name.startswith("10"))
+    nb = nbformat.read(second_run(chapter), as_version=4)
+    text = "\n".join(o.get("data", {}).get("text/markdown", "") for c in nb.cells if c.cell_type == "code"
+                     for o in c.outputs)
+    assert "Quality figures: **read from `07_evaluating_quantization.ipynb`" in text
+    assert "N-gram lookup figures: **read from `08_speculative_decoding.ipynb`" in text
+    assert "| INT4 group-64 | 4.25 |" in text
