@@ -362,27 +362,32 @@ def _pid_alive(pid: int) -> bool:
 # --- as a process --------------------------------------------------------------------------------------------------
 
 def build_engine(model_name: str, *, device: str = "cpu", dtype: str = "float32", max_num_seqs: int = 8,
-                 num_blocks: int = 256, block_size: int = 16, prefix_caching: bool = True):
-    """Load ``model_name`` and build the engine the server runs: ``(engine, tokenizer)``."""
-    from .engine import LLMEngine
+                 num_blocks: int = 256, block_size: int = 16, prefix_caching: bool = True, pack: str = "none"):
+    """Load ``model_name`` and build the engine the server runs: ``(engine, tokenizer)``.
+
+    ``dtype``: what the engine computes in; ``pack``: the engine's low-bit fast path (``"int8"``, ``"int4"``;
+    :mod:`course_utils.engine.packed`), ``"none"`` for the dense path."""
+    from .engine import LLMEngine, RunnerWeights
     from .models import load_model
 
     model, tok = load_model(model_name, dtype=dtype, device=device, verbose=False)
+    weights = RunnerWeights.from_model(model, dtype, pack=pack)
     engine = LLMEngine(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                       prefix_caching=prefix_caching)
+                       prefix_caching=prefix_caching, weights=weights)
     return engine, tok
 
 
 def start_engine_server(model: str, *, device: str = "cpu", port: int | None = None, served_model_name: str = "course",
                         max_num_seqs: int = 8, num_blocks: int = 256, block_size: int = 16, threads: int | None = None,
-                        prefix_caching: bool = True, log_path=None, progress: bool = True, timeout_s: float = 300.0):
+                        prefix_caching: bool = True, dtype: str = "float32", pack: str = "none", log_path=None,
+                        progress: bool = True, timeout_s: float = 300.0):
     """Start the course engine's server as a child process on 127.0.0.1 and wait until it answers.
 
     Returns the running :class:`~course_utils.serving.ServerProcess` (``base_url``, ``stop()``,
     ``peak_rss``). ``threads``: PyTorch threads in the server (default: PyTorch's own choice);
     ``prefix_caching``: the engine's sharing of cached prompt blocks (off to replay one trace several
-    times, so that no replay is answered from the previous one's cache). The server also exits by
-    itself when this process dies.
+    times, so that no replay is answered from the previous one's cache); ``dtype`` and ``pack`` as in
+    :func:`build_engine`. The server also exits by itself when this process dies.
     """
     from .serving import ServerProcess, free_port
 
@@ -391,7 +396,8 @@ def start_engine_server(model: str, *, device: str = "cpu", port: int | None = N
     port = free_port() if port is None else port
     cmd = [sys.executable, "-m", "course_utils.engine_server", "--model", str(model), "--device", device,
            "--port", str(port), "--served-model-name", served_model_name, "--max-num-seqs", str(max_num_seqs),
-           "--num-blocks", str(num_blocks), "--block-size", str(block_size), "--parent-pid", str(os.getpid())]
+           "--num-blocks", str(num_blocks), "--block-size", str(block_size), "--parent-pid", str(os.getpid()),
+           "--dtype", dtype, "--pack", pack]
     if threads is not None:
         cmd += ["--threads", str(check_positive_int("threads", threads))]
     if not prefix_caching:
@@ -414,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: PyTorch's choice)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt blocks")
+    parser.add_argument("--dtype", default="float32", help="what the engine computes in (float32, bfloat16)")
+    parser.add_argument("--pack", default="none", choices=["none", "int8", "int4"],
+                        help="the engine's low-bit fast path (lossy; default: none, the dense path)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -422,11 +431,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.set_grad_enabled(False)
-    engine, tok = build_engine(args.model, device=args.device, max_num_seqs=args.max_num_seqs,
+    engine, tok = build_engine(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                num_blocks=args.num_blocks, block_size=args.block_size,
-                               prefix_caching=not args.no_prefix_caching)
+                               prefix_caching=not args.no_prefix_caching, pack=args.pack)
     server = EngineServer(engine, tok, model_name=args.served_model_name)
-    print(f"course engine server: {args.model} on {args.device}, {torch.get_num_threads()} threads, "
+    print(f"course engine server: {args.model} on {args.device} ({args.dtype}, pack {args.pack}), "
+          f"{torch.get_num_threads()} threads, "
           f"http://{args.host}:{args.port}", flush=True)
     try:
         asyncio.run(server.serve(args.host, args.port, parent_pid=args.parent_pid))

@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from course_utils.engine import BlockManager, LLMEngine, Refused, Scheduler, Sequence, Status
+from course_utils.engine import BlockManager, LLMEngine, Refused, RunnerWeights, Scheduler, Sequence, Status
 from course_utils.engine import block_manager as block_manager_module
 from course_utils.prompts import chat_prompt_ids
 from course_utils.reference import Agreement, check_against_generate
@@ -336,3 +336,56 @@ def test_unsupported_architectures_are_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=32))
     with pytest.raises(ValueError, match="llama"):
         LLMEngine(gpt2, num_blocks=4, block_size=4)
+
+
+def _mimic_of_packing(model, pack):
+    """A copy of ``model`` whose every projection and LM head holds the matrix the ``pack`` fast path computes
+    with (the LM head untied from the embedding, as the engine keeps the embedding dense)."""
+    import copy
+
+    from course_utils.engine.packed import dequantized_like_packing
+    from course_utils.hooks import projection_modules
+    mimic = copy.deepcopy(model)
+    with torch.no_grad():
+        for lin in projection_modules(mimic).values():
+            lin.weight.copy_(dequantized_like_packing(lin.weight, pack))
+        head = mimic.get_output_embeddings()
+        head.weight = torch.nn.Parameter(dequantized_like_packing(head.weight, pack))
+    return mimic
+
+
+@pytest.mark.parametrize("pack", ["int8", "int4"])
+def test_the_low_bit_fast_path_gives_the_tokens_of_its_dequantized_weights(tiny_model, pack):
+    """``pack="int8"/"int4"`` is lossy, by exactly the de-quantised matrices: with those in a copy of the model,
+    ``generate`` gives the engine's tokens (up to near-ties: the kernels sum in their own order)."""
+    from course_utils.engine.packed import PackedLinear
+    weights = RunnerWeights.from_model(tiny_model, "float32", pack=pack)
+    engine = LLMEngine(tiny_model, num_blocks=128, block_size=4, max_num_seqs=4, weights=weights)
+    assert all(isinstance(m, PackedLinear) for m in engine.runner.step_matrices())
+    dense = LLMEngine(tiny_model, num_blocks=8, block_size=4, max_num_seqs=1).runner.step_weight_bytes()
+    assert engine.runner.step_weight_bytes() < (0.35 if pack == "int8" else 0.2) * dense
+    prompts = _random_prompts(tiny_model.config.vocab_size, 6, seed=2)
+    outs = engine.generate(prompts, 8)
+    agreements = check_against_generate(_mimic_of_packing(tiny_model, pack), prompts, [o.output_ids for o in outs], 8,
+                                        eos_token_ids=engine.eos_token_ids)
+    _report(agreements, f"{tiny_model.config.model_type} {pack}")
+
+
+def test_the_fast_path_rejects_an_unknown_packing(tiny_llama):
+    with pytest.raises(ValueError, match="pack must be one of"):
+        RunnerWeights.from_model(tiny_llama, "float32", pack="int3")
+    from course_utils.engine.packed import pack_matrix
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        pack_matrix(torch.randn(64, 64), "int8", torch.float16)
+
+
+def test_sequence_logits_are_the_models_own_at_every_position(tiny_model):
+    """The runner's logits at every position of one prefill equal the model's (the fast path's quality is measured
+    with them)."""
+    ids = list(range(3, 40))
+    runner = LLMEngine(tiny_model, num_blocks=16, block_size=4, max_num_seqs=1).runner
+    got = runner.sequence_logits(ids)
+    want = tiny_model(torch.tensor([ids])).logits[0]
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="tokens"):
+        runner.sequence_logits(list(range(100)))

@@ -24,6 +24,7 @@ SECTIONS: list[tuple[str, str]] = [
     ("02 prefill vs decode", "course_utils.bench.prefill_decode"),
     ("03 KV-cache memory", "course_utils.bench.memory_sizing"),
     ("04 batching", "course_utils.bench.batching"),
+    ("04 engine speed", "course_utils.bench.engine_speed"),
     ("05 weight quantization", "course_utils.bench.quantize"),
     ("06 activation outliers", "course_utils.bench.outliers"),
     ("07 evaluating quantization", "course_utils.bench.evaluate"),

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..hooks import decoder_layers
 from ..models import model_dims, resolve_dtype
+from .packed import PACKINGS, PackedLinear, add_linear, linear, pack_matrix
 from .sequence import Sequence
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -71,18 +72,25 @@ class RunnerWeights:
     Fusing copies those matrices once; build this once and hand it to every engine on the
     same model (``LLMEngine(..., weights=w)``) so they share one copy. The other tensors
     are the model's own (no copy when the dtype is unchanged).
+
+    ``pack="int8"`` or ``"int4"``: the fast path of :mod:`.packed` -- every matrix (the four per layer and
+    the LM head) becomes a :class:`~.packed.PackedLinear` for a weight-only low-bit kernel computing in
+    ``dtype``; lossy. ``"none"`` (the default) is the path chapter 04 shows.
     """
 
     dtype: torch.dtype
     layers: list[dict]
     embed: torch.Tensor
     final_norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: torch.Tensor | PackedLinear
+    pack: str = "none"
 
     @classmethod
     @torch.no_grad()
-    def from_model(cls, model, dtype=None) -> "RunnerWeights":
+    def from_model(cls, model, dtype=None, *, pack: str = "none") -> "RunnerWeights":
         _check_supported(model)
+        if pack not in PACKINGS:
+            raise ValueError(f"pack must be one of {PACKINGS}, got {pack!r}")
         dt = resolve_dtype(dtype) if dtype is not None else model.dtype
         layers = []
         for layer in decoder_layers(model):
@@ -96,13 +104,16 @@ class RunnerWeights:
                 w_gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dt),
                 b_gate_up=_cat_bias([mlp.gate_proj, mlp.up_proj], dt),
                 w_down=mlp.down_proj.weight.detach().to(dt), b_down=_cat_bias([mlp.down_proj], dt)))
+        lm_head = model.get_output_embeddings().weight.detach()
+        if pack != "none":
+            for layer in layers:
+                for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
+                    layer[name] = pack_matrix(layer[name], pack, dt)
+            lm_head = pack_matrix(lm_head, pack, dt)
+        else:
+            lm_head = lm_head.to(dt)
         return cls(dt, layers, model.get_input_embeddings().weight.detach().to(dt),
-                   model.model.norm.weight.detach().to(dt), model.get_output_embeddings().weight.detach().to(dt))
-
-
-def _add_linear(h: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """``h + x @ w.T (+ b)``: a residual connection, fused into one matrix product where there is no bias."""
-    return torch.addmm(h, x, w.t()) if b is None else h + F.linear(x, w, b)
+                   model.model.norm.weight.detach().to(dt), lm_head, pack)
 
 
 class ModelRunner:
@@ -136,8 +147,9 @@ class ModelRunner:
         half = dims.head_dim // 2          # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated)
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
-    def step_matrices(self) -> list[torch.Tensor]:
-        """The weight matrices one decode step multiplies, in order (the LM head last)."""
+    def step_matrices(self) -> list:
+        """The weight matrices one decode step multiplies, in order (the LM head last): tensors, or
+        :class:`~.packed.PackedLinear` on the low-bit fast path."""
         names = ("w_qkv", "w_o", "w_gate_up", "w_down")
         return [layer[n] for layer in self.layers for n in names] + [self.lm_head]
 
@@ -218,15 +230,15 @@ class ModelRunner:
 
     def _layer(self, i: int, h: torch.Tensor, inp: StepInput, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         w, d = self.layers[i], self.dims
-        qkv = F.linear(self._rms_norm(h, w["in_norm"]), w["w_qkv"], w["b_qkv"])
+        qkv = linear(self._rms_norm(h, w["in_norm"]), w["w_qkv"], w["b_qkv"])
         n_qk = (d.n_heads + d.n_kv_heads) * d.head_dim
         qk = qkv[:, :n_qk].view(-1, d.n_heads + d.n_kv_heads, d.head_dim)
         qk = qk * cos + qk.roll(d.head_dim // 2, dims=-1) * sin    # rotary embedding of q and k at once
         v = qkv[:, n_qk:].view(-1, d.n_kv_heads, d.head_dim)
         attn = self._attention(i, qk[:, :d.n_heads], qk[:, d.n_heads:], v, inp)
-        h = _add_linear(h, attn, w["w_o"], w["b_o"])
-        gate, up = F.linear(self._rms_norm(h, w["post_norm"]), w["w_gate_up"], w["b_gate_up"]).chunk(2, dim=-1)
-        return _add_linear(h, self.act(gate) * up, w["w_down"], w["b_down"])
+        h = add_linear(h, attn, w["w_o"], w["b_o"])
+        gate, up = linear(self._rms_norm(h, w["post_norm"]), w["w_gate_up"], w["b_gate_up"]).chunk(2, dim=-1)
+        return add_linear(h, self.act(gate) * up, w["w_down"], w["b_down"])
 
     @torch.no_grad()
     def forward(self, inp: StepInput) -> torch.Tensor:
@@ -236,7 +248,22 @@ class ModelRunner:
         for i in range(len(self.layers)):
             h = self._layer(i, h, inp, cos, sin)
         h = self._rms_norm(h.index_select(0, inp.last_rows), self.final_norm)
-        return F.linear(h, self.lm_head)
+        return linear(h, self.lm_head)
+
+    @torch.no_grad()
+    def sequence_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of one sequence, (len, vocab) in float32, from one prefill through the pool:
+        what the engine computes there, for measuring a fast path's quality (chapter 07's KL divergence).
+        It writes the pool's first blocks: call it on a runner that holds no live sequence."""
+        n_blocks = -(-len(token_ids) // self.block_size)
+        if not token_ids or n_blocks > self.num_blocks or len(token_ids) > self.max_positions:
+            raise ValueError(f"need 1 to {min(self.num_blocks * self.block_size, self.max_positions)} tokens, "
+                             f"got {len(token_ids)}")
+        seq = Sequence(0, list(token_ids), 1, block_size=self.block_size)
+        seq.block_table = list(range(n_blocks))
+        inp = self.prepare([seq], is_prefill=True)
+        inp.last_rows = torch.arange(len(token_ids), device=self.device)
+        return self.forward(inp).float()
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step: the greedy next token of every sequence."""

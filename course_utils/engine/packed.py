@@ -1,0 +1,106 @@
+"""The engine's low-bit fast path: weight-only int8 and int4 matrices (a switch; chapter 04 shows the dense path).
+
+A decode step reads every weight once (chapter 02), so fewer bytes per weight can mean a faster step --
+if a kernel reads the packed codes and unpacks them in registers (chapter 05 timed such kernels). PyTorch
+has two on the CPU, and this module puts them behind one call, :func:`linear`, that the model runner
+uses for every matrix product:
+
+* ``"int8"``: int8 codes with one scale per output row, ``torch.ops.aten._weight_int8pack_mm``;
+* ``"int4"``: 4-bit codes with a scale and a zero point per group of inputs,
+  ``_weight_int4pack_mm_for_cpu`` (``_weight_int4pack_mm`` on CUDA), the group the largest of 128 / 64 / 32
+  that divides the row.
+
+Both are *lossy*: the engine then computes with ``W_hat``, the de-quantised matrix, not ``W``
+(:meth:`PackedLinear.dequantized` gives it, for measuring the quality the fast path costs). Fusing q/k/v or
+gate/up before packing changes nothing: both quantizers work row by row.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+#: What ``RunnerWeights.from_model(..., pack=...)`` accepts.
+PACKINGS = ("none", "int8", "int4")
+
+
+@dataclass
+class PackedLinear:
+    """One weight matrix (out_features, in_features) in a low-bit kernel's layout."""
+
+    kind: str                       # "int8" or "int4"
+    codes: torch.Tensor             # int8 (N, K), or the int4 kernel's packed layout
+    scales: torch.Tensor            # int8: (N,) in the activations' dtype; int4: (K / g, N, 2) scale and zero point
+    group_size: int                 # int4: inputs per group; int8: K (one scale per row)
+    shape: tuple[int, int]
+    w_hat: torch.Tensor | None = None   # the de-quantised matrix, kept only when asked for (tests, quality)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes one product reads: codes plus scales (and zero points)."""
+        return self.codes.nbytes + self.scales.nbytes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W_hat^T`` for ``x`` of shape (T, in_features) in the scales' dtype."""
+        if self.kind == "int8":
+            return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
+        if x.device.type == "cpu":
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.codes, self.group_size, self.scales)
+        return torch.ops.aten._weight_int4pack_mm(x, self.codes, self.group_size, self.scales)
+
+    def dequantized(self) -> torch.Tensor:
+        if self.w_hat is None:
+            raise ValueError("this matrix was packed without keep_w_hat=True")
+        return self.w_hat
+
+
+def pack_matrix(w: torch.Tensor, kind: str, dtype: torch.dtype, *, keep_w_hat: bool = False) -> PackedLinear:
+    """``w`` (N, K) packed for the ``kind`` kernel, computing in ``dtype`` (float32 or bfloat16)."""
+    from ..lowbit_kernels import int4_codes, int4_group_size, int4_pack, int8_pack
+    if kind not in PACKINGS[1:]:
+        raise ValueError(f"kind must be one of {PACKINGS[1:]}, got {kind!r}")
+    if w.dim() != 2:
+        raise ValueError(f"w must be a 2-D (out_features, in_features) matrix, got {tuple(w.shape)}")
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the low-bit kernels compute in float32 or bfloat16, got {dtype}")
+    w = w.detach().float()
+    n, k = w.shape
+    if kind == "int8":
+        codes, scales, w_hat = int8_pack(w)
+        return PackedLinear("int8", codes.to(w.device), scales.to(dtype), k, (n, k),
+                            w_hat.to(dtype) if keep_w_hat else None)
+    g = int4_group_size(k)
+    codes, sz, w_hat = int4_codes(w, g)
+    return PackedLinear("int4", int4_pack(codes, w.device), sz.to(dtype).to(w.device), g, (n, k),
+                        w_hat.to(dtype) if keep_w_hat else None)
+
+
+def dequantized_like_packing(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """The matrix the ``kind`` fast path computes with instead of ``w`` (float32), without packing it."""
+    from ..lowbit_kernels import int4_codes, int4_group_size, int8_pack
+    if kind == "int8":
+        return int8_pack(w.detach().float())[2]
+    if kind == "int4":
+        return int4_codes(w.detach().float(), int4_group_size(w.shape[1]))[2]
+    raise ValueError(f"kind must be one of {PACKINGS[1:]}, got {kind!r}")
+
+
+def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ w^T (+ b)`` for a dense tensor or a :class:`PackedLinear`."""
+    if isinstance(w, PackedLinear):
+        y = w(x)
+        return y if b is None else y + b
+    return F.linear(x, w, b)
+
+
+def add_linear(h: torch.Tensor, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
+    """``h + x @ w^T (+ b)``: a residual connection, fused into one matrix product where ``w`` is dense and
+    there is no bias."""
+    if isinstance(w, PackedLinear) or b is not None:
+        return h + linear(x, w, b)
+    return torch.addmm(h, x, w.t())
