@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: PyTorch's choice)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt blocks")
     parser.add_argument("--dtype", default="float32", help="what the engine computes in (float32, bfloat16)")
-    parser.add_argument("--pack", default="none", choices=["none", "int8", "int4"],
+    parser.add_argument("--pack", default="none", choices=["none", "onednn", "int8", "int4"],
                         help="the engine's low-bit fast path (lossy; default: none, the dense path)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     args = parser.parse_args(argv)

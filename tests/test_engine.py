@@ -389,3 +389,22 @@ def test_sequence_logits_are_the_models_own_at_every_position(tiny_model):
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="tokens"):
         runner.sequence_logits(list(range(100)))
+
+
+def test_the_onednn_prepacked_path_keeps_the_bf16_weights(tiny_model):
+    """``pack="onednn"``: the same bfloat16 matrices in oneDNN's layout: the logits of the dense bfloat16 path, up
+    to the order of the sums."""
+    from course_utils.engine.packed import PrepackedLinear
+    try:
+        weights = RunnerWeights.from_model(tiny_model, "bfloat16", pack="onednn")
+    except ValueError as exc:
+        pytest.skip(f"no oneDNN bfloat16 linear on this machine: {exc}")
+    ids = list(range(3, 30))
+    fast = LLMEngine(tiny_model, num_blocks=16, block_size=4, max_num_seqs=1, weights=weights).runner
+    dense = LLMEngine(tiny_model, num_blocks=16, block_size=4, max_num_seqs=1, dtype="bfloat16").runner
+    assert all(isinstance(m, PrepackedLinear) for m in fast.step_matrices())
+    assert fast.step_weight_bytes() == dense.step_weight_bytes()
+    a, b = fast.sequence_logits(ids), dense.sequence_logits(ids)
+    assert (a - b).abs().max() <= 0.02 * b.abs().max()
+    with pytest.raises(ValueError, match="bfloat16"):
+        RunnerWeights.from_model(tiny_model, "float32", pack="onednn")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..hooks import decoder_layers
 from ..models import model_dims, resolve_dtype
-from .packed import PACKINGS, PackedLinear, add_linear, linear, pack_matrix
+from .packed import PACKINGS, PackedLinear, PrepackedLinear, add_linear, linear, pack_matrix, prepack_matrix
 from .sequence import Sequence
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -75,14 +75,15 @@ class RunnerWeights:
 
     ``pack="int8"`` or ``"int4"``: the fast path of :mod:`.packed` -- every matrix (the four per layer and
     the LM head) becomes a :class:`~.packed.PackedLinear` for a weight-only low-bit kernel computing in
-    ``dtype``; lossy. ``"none"`` (the default) is the path chapter 04 shows.
+    ``dtype``; lossy. ``pack="onednn"`` (bfloat16): the same bfloat16 matrices in oneDNN's layout
+    (:class:`~.packed.PrepackedLinear`). ``"none"`` (the default) is the path chapter 04 shows.
     """
 
     dtype: torch.dtype
     layers: list[dict]
     embed: torch.Tensor
     final_norm: torch.Tensor
-    lm_head: torch.Tensor | PackedLinear
+    lm_head: torch.Tensor | PackedLinear | PrepackedLinear
     pack: str = "none"
 
     @classmethod
@@ -105,13 +106,14 @@ class RunnerWeights:
                 b_gate_up=_cat_bias([mlp.gate_proj, mlp.up_proj], dt),
                 w_down=mlp.down_proj.weight.detach().to(dt), b_down=_cat_bias([mlp.down_proj], dt)))
         lm_head = model.get_output_embeddings().weight.detach()
-        if pack != "none":
-            for layer in layers:
-                for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
-                    layer[name] = pack_matrix(layer[name], pack, dt)
-            lm_head = pack_matrix(lm_head, pack, dt)
-        else:
-            lm_head = lm_head.to(dt)
+        if pack == "onednn" and dt != torch.bfloat16:
+            raise ValueError(f"pack='onednn' computes in bfloat16; got dtype {dt}")
+        make = {"none": lambda w: w, "onednn": prepack_matrix, "int8": lambda w: pack_matrix(w, "int8", dt),
+                "int4": lambda w: pack_matrix(w, "int4", dt)}[pack]
+        for layer in layers:
+            for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
+                layer[name] = make(layer[name])
+        lm_head = make(lm_head.to(dt) if pack in ("none", "onednn") else lm_head)
         return cls(dt, layers, model.get_input_embeddings().weight.detach().to(dt),
                    model.model.norm.weight.detach().to(dt), lm_head, pack)
 

@@ -1,4 +1,4 @@
-"""The engine's low-bit fast path: weight-only int8 and int4 matrices (a switch; chapter 04 shows the dense path).
+"""The engine's fast paths: prepacked bf16 and weight-only int8 / int4 matrices (a switch; chapter 04 shows the dense path).
 
 A decode step reads every weight once (chapter 02), so fewer bytes per weight can mean a faster step --
 if a kernel reads the packed codes and unpacks them in registers (chapter 05 timed such kernels). PyTorch
@@ -10,7 +10,14 @@ uses for every matrix product:
   ``_weight_int4pack_mm_for_cpu`` (``_weight_int4pack_mm`` on CUDA), the group the largest of 128 / 64 / 32
   that divides the row.
 
-Both are *lossy*: the engine then computes with ``W_hat``, the de-quantised matrix, not ``W``
+And one that keeps every bit of the bfloat16 weights but stores them in oneDNN's own blocked layout, once,
+so each product skips the re-layout a plain ``F.linear`` call makes (what vLLM's and PyTorch inductor's CPU
+paths do):
+
+* ``"onednn"``: ``torch.ops.mkldnn._reorder_linear_weight`` at load, ``_linear_pointwise`` per product
+  (bfloat16 only; where this PyTorch build or CPU has no oneDNN bfloat16 linear, a clear error).
+
+The int paths are *lossy*: the engine then computes with ``W_hat``, the de-quantised matrix, not ``W``
 (:meth:`PackedLinear.dequantized` gives it, for measuring the quality the fast path costs). Fusing q/k/v or
 gate/up before packing changes nothing: both quantizers work row by row.
 """
@@ -22,7 +29,33 @@ import torch
 import torch.nn.functional as F
 
 #: What ``RunnerWeights.from_model(..., pack=...)`` accepts.
-PACKINGS = ("none", "int8", "int4")
+PACKINGS = ("none", "onednn", "int8", "int4")
+
+
+@dataclass
+class PrepackedLinear:
+    """One bfloat16 weight matrix in oneDNN's blocked layout (the same numbers as the dense matrix)."""
+
+    packed: torch.Tensor
+    shape: tuple[int, int]
+    nbytes: int                     # the dense matrix's bytes: what one product reads
+    dtype: torch.dtype = torch.bfloat16
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+def prepack_matrix(w: torch.Tensor) -> PrepackedLinear:
+    """``w`` (N, K), bfloat16, reordered once for oneDNN's linear."""
+    if w.dtype != torch.bfloat16 or w.device.type != "cpu":
+        raise ValueError(f"the oneDNN prepacked path takes bfloat16 weights on the CPU, got {w.dtype} on {w.device}")
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), 1)
+        torch.ops.mkldnn._linear_pointwise(torch.zeros(1, w.shape[1], dtype=w.dtype), packed, None, "none", [], "")
+    except (RuntimeError, AttributeError) as exc:
+        raise ValueError(f"this PyTorch build or CPU has no oneDNN bfloat16 linear ({type(exc).__name__}: {exc}); "
+                         "use pack='none'") from None
+    return PrepackedLinear(packed, tuple(w.shape), w.nbytes)
 
 
 @dataclass
@@ -91,8 +124,8 @@ def dequantized_like_packing(w: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w^T (+ b)`` for a dense tensor or a :class:`PackedLinear`."""
-    if isinstance(w, PackedLinear):
+    """``x @ w^T (+ b)`` for a dense tensor, a :class:`PackedLinear` or a :class:`PrepackedLinear`."""
+    if isinstance(w, (PackedLinear, PrepackedLinear)):
         y = w(x)
         return y if b is None else y + b
     return F.linear(x, w, b)
@@ -101,6 +134,6 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
 def add_linear(h: torch.Tensor, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
     """``h + x @ w^T (+ b)``: a residual connection, fused into one matrix product where ``w`` is dense and
     there is no bias."""
-    if isinstance(w, PackedLinear) or b is not None:
+    if isinstance(w, (PackedLinear, PrepackedLinear)) or b is not None:
         return h + linear(x, w, b)
     return torch.addmm(h, x, w.t())
