@@ -111,14 +111,17 @@ class Sourced:
 
 
 def figures_from(prefix: str, name: str, recompute, *, build_dir: str | Path | None = None,
-                 use_build: bool = True, recompute_note: str = "recomputed here") -> Sourced:
+                 use_build: bool = True, recompute_note: str = "recomputed here", model: str | None = None) -> Sourced:
     """Chapter ``prefix``'s published figures ``name`` where the main job left them, else ``recompute()``
-    (a function returning the same dict, cheaper). ``use_build=False`` always recomputes."""
+    (a function returning the same dict, cheaper). ``use_build=False`` always recomputes. ``model``: a
+    :func:`model_key`; figures published for another model are not used (the note says whose they were)."""
     found = read_published(prefix, name, build_dir) if use_build else None
+    if found is not None and model is not None and found.data.get("model") != model:
+        recompute_note = f"{recompute_note} (build/ holds chapter {prefix}'s figures for {found.data.get('model')})"
+        found = None
     if found is not None:
         return Sourced(found.data, found.where(), True)
     return Sourced(_plain(recompute()), recompute_note, False)
-
 
 def model_key(model) -> str:
     """Which model a set of figures belongs to: its file or Hub name, its architecture and parameter count

@@ -149,3 +149,11 @@ def test_publishing_refuses_what_is_not_plain_data():
         publish("x", {"a": object()})
     with pytest.raises(ValueError, match="dict"):
         publish("x", [1, 2])
+
+
+def test_figures_of_another_model_are_not_used(tmp_path):
+    _executed(tmp_path, "07", [publish("quality", {"model": "model A", "x": 3})])
+    kept = figures_from("07", "quality", lambda: {"x": 2}, build_dir=tmp_path, model="model A")
+    assert kept.from_build and kept.data["x"] == 3
+    other = figures_from("07", "quality", lambda: {"x": 2}, build_dir=tmp_path, model="model B")
+    assert not other.from_build and other.data == {"x": 2} and "model A" in other.source
