@@ -394,6 +394,19 @@ def bits_per_weight(scheme: Scheme, shape=(4096, 4096)) -> float:
     return scheme.bits + SCALE_BITS * n_numbers / block_len(scheme, shape)
 
 
+def projection_bits(modules, scheme: Scheme | None) -> float:
+    """Bits per weight of the projection matrices ``modules`` (name -> Linear) under ``scheme``, scales
+    included, averaged over every matrix by its size (each matrix's shape sets its per-row scale cost).
+    ``scheme=None``: the weights as stored (their dtype's bits)."""
+    mods = list(modules.values()) if isinstance(modules, dict) else list(modules)
+    if not mods:
+        raise ValueError("no projection matrices given")
+    n = sum(m.weight.numel() for m in mods)
+    if scheme is None:
+        return sum(m.weight.element_size() * 8 * m.weight.numel() for m in mods) / n
+    return sum(bits_per_weight(scheme, tuple(m.weight.shape)) * m.weight.numel() for m in mods) / n
+
+
 @dataclass(frozen=True)
 class BlockLayout:
     """One GGUF block type: how many weights a block holds and the bits of each field."""

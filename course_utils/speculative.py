@@ -36,6 +36,7 @@ from transformers import DynamicCache
 from .hooks import decoder_layers
 from .kv_cache import prefill
 from .measure import time_interleaved
+from .prompts import chat_prompt_ids, token_ids
 from .sampling import check_sampling, sample_token, sampling_probs
 from .validation import check_finite, check_positive_int
 
@@ -282,6 +283,14 @@ def lookup_prompts() -> list[dict]:
 
     from .data import DATA_DIR
     return json.loads((DATA_DIR / "lookup_prompts.json").read_text(encoding="utf-8"))["prompts"]
+
+
+def lookup_prompt_ids(tok, item: dict) -> list[int]:
+    """The token ids of one of :func:`lookup_prompts`: through the chat template for ``"chat"`` prompts, the plain
+    text for ``"raw"`` ones."""
+    if item.get("kind") not in ("chat", "raw"):
+        raise ValueError(f"a lookup prompt's kind is 'chat' or 'raw', got {item.get('kind')!r}")
+    return chat_prompt_ids(tok, item["text"]) if item["kind"] == "chat" else token_ids(tok, item["text"])[0].tolist()
 
 
 def copy_fraction(prompt: list[int], output: list[int], max_ngram: int = 2) -> float:

@@ -517,3 +517,14 @@ def test_other_bad_inputs():
         Q.levels_figure({}, 4, "per-row")
     with pytest.raises(TypeError):
         Q.WeightQuantizer(torch.nn.Linear(2, 2)).apply("INT4")
+
+
+def test_projection_bits_weights_each_matrix_by_its_size():
+    a, b = torch.nn.Linear(64, 16, bias=False), torch.nn.Linear(128, 48, bias=False)
+    row = Scheme("absmax", 4, "row")
+    want = (Q.bits_per_weight(row, (16, 64)) * 16 * 64 + Q.bits_per_weight(row, (48, 128)) * 48 * 128) / (16 * 64 + 48 * 128)
+    assert Q.projection_bits({"a": a, "b": b}, row) == pytest.approx(want)
+    assert Q.projection_bits([a, b], row) > 4.0                      # the scales cost bits
+    assert Q.projection_bits({"a": a}, None) == 32.0                 # as stored: float32
+    with pytest.raises(ValueError, match="no projection"):
+        Q.projection_bits({}, row)

@@ -250,3 +250,13 @@ def test_vectorised_draws_follow_p_and_accept_one_minus_tv():
     assert float(accepted.double().mean()) == pytest.approx(1 - total_variation(p, q), abs=0.01)
     wrong = torch.bincount(torch.multinomial(q, 40000, replacement=True, generator=gen), minlength=p.shape[0])
     assert _chi_square_p_value(wrong.double(), p) < SIGNIFICANCE            # the draft's own draws are told apart
+
+
+def test_lookup_prompt_ids_follow_each_prompts_kind(embedded):
+    _, tok = embedded
+    from course_utils.prompts import chat_prompt_ids, token_ids
+    items = {i["kind"]: i for i in S.lookup_prompts()}
+    assert S.lookup_prompt_ids(tok, items["chat"]) == chat_prompt_ids(tok, items["chat"]["text"])
+    assert S.lookup_prompt_ids(tok, items["raw"]) == token_ids(tok, items["raw"]["text"])[0].tolist()
+    with pytest.raises(ValueError, match="kind"):
+        S.lookup_prompt_ids(tok, dict(items["raw"], kind="other"))

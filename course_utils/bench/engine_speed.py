@@ -1,10 +1,12 @@
 """The course engine's speed against its floors and against vLLM's CPU build, one path per row.
 
-Paths: the dense float32 path chapter 04 shows, the dense bfloat16 path, and the low-bit fast paths
-(weight-only int8 and int4 kernels, bfloat16 activations; :mod:`course_utils.engine.packed`). For each:
-the decode step at B = 1 (ms per token) against the same matrices' product floor and the bandwidth floor,
-the decode throughput at B = 16, and the quality it costs (KL divergence of the engine's own logits from
-the float32 engine's, on held-out text: chapter 07's statistic). vLLM, when its environment exists
+Paths (:data:`course_utils.engine.speed.PATHS`): the dense float32 path chapter 04 shows, dense bfloat16, and
+the fast paths (bf16 in oneDNN's layout; weight-only int8 and int4 kernels, bfloat16 activations;
+:mod:`course_utils.engine.packed`). For each, measured by :func:`course_utils.engine.speed.measure_path`: the
+decode step at B = 1 (ms per token) against the same matrices' product floor (timed in turns with it) and the
+bandwidth floor, the decode throughput at B = 16, and the quality it costs (KL divergence of the engine's own
+logits from the float32 engine's, on held-out text: chapter 07's statistic); an ablation, one row per lever; and
+a profile of the B = 1 step by operator class for the readable path and the quickest exact bf16 one. vLLM, when its environment exists
 (chapter 11), is measured on the same prompts and lengths through its server, by the chapter's client,
 in blocks that alternate with the course engine's server: engine, vLLM, vLLM, engine, with vLLM stopped
 while the engine is measured (idle, its server still keeps about half a core busy: reported).
@@ -16,20 +18,12 @@ import time
 
 import torch
 
-from ..engine import LLMEngine, RunnerWeights
-from ..engine.packed import linear
-from ..evaluate import mean_and_se, token_stats
-from ..measure import time_interleaved
-from ..prefill_decode import decode_floor_s
+from ..engine import RunnerWeights
+from ..engine.speed import LEVERS, OP_CLASSES, OTHER, PATHS, PYTHON, decode_steps, measure_path, path_engine, profile_decode
 from ..prompts import book_prompts, book_split, token_ids
 from . import Row
 
 _SECTION = "04 engine speed"
-
-#: (label, dtype, pack) of every path measured, the readable one first.
-PATHS = [("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"),
-         ("bfloat16, oneDNN-prepacked", "bfloat16", "onednn"),
-         ("int8 weights, bf16 activations", "bfloat16", "int8"), ("int4 weights, bf16 activations", "bfloat16", "int4")]
 
 #: llama.cpp on the embedded Q4_1 file, decode at B = 1, recorded on another (AVX2-only) development
 #: machine on 2026-11-29; printed, labelled as recorded, where llama-cpp-python is not installed.
@@ -46,29 +40,6 @@ def _cpu_features() -> str:
     return f"PyTorch CPU capability {caps}" + (f"; {', '.join(extra)}" if extra else "")
 
 
-def _matmul_floor(runner):
-    """One pass over the step's matrices with a one-row input, as the step multiplies them."""
-    mats = runner.step_matrices()
-    xs = {}
-    for m in mats:
-        k = m.shape[1]
-        xs.setdefault(k, torch.randn(1, k, dtype=runner.dtype, device=runner.device))
-    return lambda: [linear(xs[m.shape[1]], m) for m in mats]
-
-
-def _decode_steps(engine, prompts, new_tokens):
-    """Run the requests to the end; the decode steps' seconds (the prefill steps left out)."""
-    first = len(engine.steps)
-    engine.generate(prompts, new_tokens, ignore_eos=True)
-    return [s.end_s - s.start_s for s in engine.steps[first:] if not s.is_prefill]
-
-
-def _engine(model, weights, slots, prompt_len, new_tokens):
-    blocks = slots * (-(-(prompt_len + new_tokens) // 16)) + 2
-    return LLMEngine(model, num_blocks=max(blocks, 24), block_size=16, max_num_seqs=slots, prefix_caching=False,
-                     weights=weights)
-
-
 def rows(ctx):
     model, tok = ctx.model()
     prompt_len, new_tokens = ctx.sizes(64, 8), ctx.sizes(48, 6)
@@ -76,54 +47,54 @@ def rows(ctx):
     prompts = book_prompts(tok, big, prompt_len)
     held = token_ids(tok, book_split().heldout, ctx.sizes(256, 24))[0].tolist()
     features = _cpu_features()
-    ref_logp = None
-    results = {}
+    ref_logp, results = None, {}
     for label, dtype, pack in PATHS:
-        weights = RunnerWeights.from_model(model, dtype, pack=pack)
-        one = _engine(model, weights, 1, prompt_len, new_tokens)
-        if ref_logp is None:
-            ref_logp = torch.log_softmax(one.runner.sequence_logits(held), -1)
-            stats = None
-        else:
-            stats = token_stats(ref_logp[:-1], torch.log_softmax(one.runner.sequence_logits(held), -1)[:-1],
-                                torch.tensor(held[1:]))
-        _decode_steps(one, prompts[:1], ctx.sizes(4, 2))                          # warm-up
-        floor = _matmul_floor(one.runner)
-        t_floor = time_interleaved({"floor": floor}, warmup=1, repeats=ctx.sizes(15, 2), device=ctx.device)["floor"]
-        steps1 = [s for _ in range(ctx.sizes(3, 1)) for s in _decode_steps(one, prompts[:1], new_tokens)]
-        many = _engine(model, weights, big, prompt_len, new_tokens)
-        _decode_steps(many, prompts, ctx.sizes(2, 1))                              # warm-up
-        steps16 = _decode_steps(many, prompts, new_tokens)
-        step1, step16 = statistics.median(steps1), statistics.median(steps16)
-        bw_floor = decode_floor_s(one.runner.step_weight_bytes(), ctx.bandwidth_Bps())
-        results[label] = (step1, big / step16)
-        mb = one.runner.step_weight_bytes() / 1e6
-        q = "the reference path" if stats is None else (
-            f"KLD {mean_and_se(stats['kld'])[0]:.2e} ± {mean_and_se(stats['kld'])[1]:.0e} nats/token vs float32, same top "
-            f"token {float(stats['same_top'].double().mean()):.1%} ({len(held) - 1} held-out positions)")
-        yield Row(_SECTION, f"engine decode, B = 1, {label}", step1 * 1e3, "ms/token",
+        f, logp = measure_path(model, label, dtype, pack, prompts=prompts, heldout_ids=held, reference_logp=ref_logp,
+                               new_tokens=new_tokens, rounds=ctx.sizes(5, 1), batch=big)
+        ref_logp = logp if ref_logp is None else ref_logp
+        results[label] = f
+        mb = f.weight_bytes / 1e6
+        q = "the reference path" if f.kld is None else (
+            f"KLD {f.kld:.2e} ± {f.kld_se:.0e} nats/token vs float32, same top token {f.same_top:.1%} "
+            f"({f.positions} held-out positions)")
+        yield Row(_SECTION, f"engine decode, B = 1, {label}", f.step_s * 1e3, "ms/token",
                   note=f"{mb:,.0f} MB of weights per step; {q}; {features}")
         target = "<= 1.3x" if pack in ("none", "onednn") and dtype == "bfloat16" else None
-        ratio = step1 / t_floor.median_s
-        yield Row(_SECTION, f"engine step / matrix-product floor, B = 1, {label}", ratio, "x", target,
-                  None if target is None else ratio <= 1.3,
-                  note=f"the same matrices, one row each: {t_floor.median_s * 1e3:.1f} ms; "
-                       f"{(step1 - t_floor.median_s) * 1e3:.1f} ms of the step is everything else")
-        yield Row(_SECTION, f"engine step / bandwidth floor, B = 1, {label}", step1 / bw_floor, "x",
-                  note=f"{mb:,.0f} MB at {ctx.bandwidth_Bps() / 1e9:.1f} GB/s = {bw_floor * 1e3:.1f} ms")
-        yield Row(_SECTION, f"engine decode throughput, B = {big}, {label}", big / step16, "tok/s",
-                  note=f"median step {step16 * 1e3:.1f} ms over {len(steps16)} steps, {prompt_len}-token prompts")
-        del one, many, weights
-    base1, base16 = results["float32"]
+        yield Row(_SECTION, f"engine step / matrix-product floor, B = 1, {label}", f.over_floor, "x", target,
+                  None if target is None else f.over_floor <= 1.3,
+                  note=f"the same matrices, one row each, timed in turns with the steps: {f.floor_s * 1e3:.1f} ms; "
+                       f"{(f.step_s - f.floor_s) * 1e3:.1f} ms of the step is everything else")
+        bw = ctx.bandwidth_Bps()
+        yield Row(_SECTION, f"engine step / bandwidth floor, B = 1, {label}", f.over_bandwidth_floor(bw), "x",
+                  note=f"{mb:,.0f} MB at {bw / 1e9:.1f} GB/s = {f.weight_bytes / bw * 1e3:.1f} ms")
+        yield Row(_SECTION, f"engine decode throughput, B = {big}, {label}", f.tokens_per_s, "tok/s",
+                  note=f"median step {f.batch_step_s * 1e3:.1f} ms, {prompt_len}-token prompts")
     prev = None
-    for label, (s1, tps) in results.items():
+    base = results["float32"]
+    for label, f in results.items():
         if prev is not None:
-            yield Row(_SECTION, f"ablation: {label} vs {prev[0]}", prev[1][0] / s1, "x faster at B = 1",
-                      note=f"B = {big}: {tps / prev[1][1]:.2f}x the throughput; vs float32: {base1 / s1:.2f}x at B = 1, "
-                           f"{tps / base16:.2f}x at B = {big}")
-        prev = (label, (s1, tps))
+            yield Row(_SECTION, f"ablation: {label} vs {prev.label}", prev.step_s / f.step_s, "x faster at B = 1",
+                      note=f"{LEVERS[label]}; B = {big}: {f.tokens_per_s / prev.tokens_per_s:.2f}x the throughput; "
+                           f"vs float32: {base.step_s / f.step_s:.2f}x at B = 1, "
+                           f"{f.tokens_per_s / base.tokens_per_s:.2f}x at B = {big}")
+        prev = f
+    yield from _profiles(ctx, model, prompts, prompt_len, new_tokens)
     yield from _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, results)
     yield from _llama_cpp(ctx, features)
+
+
+def _profiles(ctx, model, prompts, prompt_len, new_tokens):
+    """Where a B = 1 decode step's time goes, by operator class: the readable path and the quickest exact bf16 one."""
+    for dtype, pack in (("float32", "none"), ("bfloat16", _fastest_exact_bf16())):
+        engine = path_engine(model, RunnerWeights.from_model(model, dtype, pack=pack), 1, prompt_len, new_tokens)
+        decode_steps(engine, prompts[:1], min(new_tokens, 4))                   # warm-up
+        p = profile_decode(engine, prompts[:1], new_tokens, label=f"{dtype}, pack {pack}")
+        for cls in [*OP_CLASSES, OTHER, PYTHON]:
+            yield Row(_SECTION, f"profile {p.label}: {cls}", p.ms_per_step[cls], "ms/step",
+                      note=f"{p.calls_per_step[cls]:.0f} calls per step" if cls != PYTHON else
+                      f"profiled step {p.profiled_step_s * 1e3:.1f} ms, unprofiled {p.step_s * 1e3:.1f} ms, "
+                      f"{p.steps} steps")
+        del engine
 
 
 def _fastest_exact_bf16() -> str:

@@ -1,0 +1,260 @@
+"""How fast each of the engine's paths decodes, against its floors, what its speed costs, and where its time goes.
+
+A *path* is one way of running the same model: the dense float32 path chapter 04 shows, dense bfloat16, and the
+fast paths of :mod:`.packed` (bfloat16 in oneDNN's layout; weight-only int8 and int4 kernels). For each,
+:func:`measure_path` times
+
+* the decode step at B = 1, in rounds that alternate with the **matrix-product floor**: the same matrices, each
+  multiplied once by a one-row input, back to back, nothing else -- what the step would cost if everything
+  between the products were free (both clocks in one run, side by side);
+* the decode step at a larger batch (tokens per second);
+* its **quality**: the KL divergence of its next-token distributions from the float32 path's on held-out text,
+  with the share of positions where the top token is the same (chapter 07's statistics), from the engine's
+  own logits (:meth:`~.model_runner.ModelRunner.sequence_logits`).
+
+:func:`profile_decode` answers *where does a step's time go*: PyTorch's profiler over a run of decode steps,
+the time of each operator the runner calls summed into a few classes (matrix products, attention, the paged
+cache's reads and writes, element-wise arithmetic, tensor bookkeeping, the rest), and the time left between
+them (Python). The profiler adds a little time to every
+operator it records, most to the cheapest ones; the profile says how much the profiled step took next to the
+unprofiled one.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..evaluate import mean_and_se, token_stats
+from ..validation import check_positive_int
+from .engine import LLMEngine
+from .model_runner import RunnerWeights
+from .packed import linear
+
+#: (label, dtype, pack) of the paths the course measures, the readable one first: each row adds one lever.
+PATHS = [("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"),
+         ("bfloat16, oneDNN-prepacked", "bfloat16", "onednn"),
+         ("int8 weights, bf16 activations", "bfloat16", "int8"), ("int4 weights, bf16 activations", "bfloat16", "int4")]
+
+#: What each path adds to the one before it (the ablation's rows).
+LEVERS = {"bfloat16": "bfloat16 weights and activations (half the bytes)",
+          "bfloat16, oneDNN-prepacked": "the same bf16 weights stored once in oneDNN's layout",
+          "int8 weights, bf16 activations": "weight-only int8 kernel (one byte per weight, a scale per row)",
+          "int4 weights, bf16 activations": "weight-only int4 kernel (half a byte per weight, scales per group)"}
+
+#: Operator classes of a profile, in the order they are shown, each with the operator names it holds.
+OP_CLASSES = {
+    "matrix products": ("aten::addmm", "aten::mm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise",
+                        "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm"),
+    "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+                  "aten::_scaled_dot_product_attention_math", "aten::_softmax", "aten::softmax", "aten::bmm",
+                  "aten::baddbmm"),
+    "paged cache (write, gather)": ("aten::index_copy_", "aten::index_select"),
+    "element-wise (norms, rotary, activation, residual)": (
+        "aten::mul", "aten::add", "aten::add_", "aten::pow", "aten::mean", "aten::rsqrt", "aten::sum", "aten::div_",
+        "aten::silu", "aten::roll", "aten::neg", "aten::rms_norm", "aten::_fused_rms_norm", "aten::copy_",
+        "aten::_to_copy", "aten::to", "aten::cat", "aten::fill_", "aten::zero_", "aten::masked_fill_",
+        "aten::embedding"),
+    "tensor bookkeeping (views, allocation)": (
+        "aten::view", "aten::as_strided", "aten::slice", "aten::select", "aten::transpose", "aten::reshape",
+        "aten::narrow", "aten::split", "aten::chunk", "aten::unbind", "aten::empty", "aten::empty_strided",
+        "aten::empty_like", "aten::t", "aten::permute", "aten::expand", "aten::unsqueeze", "aten::detach",
+        "aten::alias", "aten::_reshape_alias", "aten::contiguous", "aten::clone", "aten::resize_", "aten::lift_fresh",
+        "aten::index", "aten::zeros", "aten::new_zeros", "aten::new_empty"),
+}
+OTHER = "everything else (argmax, step set-up)"
+PYTHON = "Python between operators"
+
+
+def op_class(name: str) -> str:
+    """The class of :data:`OP_CLASSES` a profiled operator's name belongs to (:data:`OTHER` if none)."""
+    for cls, names in OP_CLASSES.items():
+        if name in names:
+            return cls
+    return OTHER
+
+
+def path_engine(model, weights: RunnerWeights, slots: int, prompt_len: int, new_tokens: int) -> LLMEngine:
+    """An engine with ``slots`` slots and just enough blocks for prompts of ``prompt_len`` and ``new_tokens`` answers
+    (prefix caching off: every run computes its prompt)."""
+    blocks = slots * (-(-(prompt_len + new_tokens) // 16)) + 2
+    return LLMEngine(model, num_blocks=max(blocks, 24), block_size=16, max_num_seqs=slots, prefix_caching=False,
+                     weights=weights)
+
+
+def decode_steps(engine: LLMEngine, prompts: list, new_tokens: int) -> list[float]:
+    """Run the requests to the end (``ignore_eos``); the seconds of each decode step (the prefill steps left out)."""
+    first = len(engine.steps)
+    engine.generate(prompts, new_tokens, ignore_eos=True)
+    return [s.end_s - s.start_s for s in engine.steps[first:] if not s.is_prefill]
+
+
+def matrix_pass(runner):
+    """A function that multiplies every matrix of one decode step once by a one-row input, as the step does."""
+    mats = runner.step_matrices()
+    xs = {}
+    for m in mats:
+        xs.setdefault(m.shape[1], torch.randn(1, m.shape[1], dtype=runner.dtype, device=runner.device))
+    return lambda: [linear(xs[m.shape[1]], m) for m in mats]
+
+
+@dataclass
+class PathFigures:
+    """What :func:`measure_path` measured for one path."""
+
+    label: str
+    dtype: str
+    pack: str
+    step_s: float                 # median decode step at B = 1
+    floor_s: float                # median of the matrix-product pass, timed in turns with the steps
+    weight_bytes: int             # bytes of weights one step reads
+    batch: int
+    batch_step_s: float           # median decode step at B = batch
+    kld: float | None = None      # mean KL divergence from the reference path (nats/token); None for the reference
+    kld_se: float | None = None
+    same_top: float | None = None
+    positions: int = 0            # held-out positions the quality figures are taken over
+    step_samples: list = field(default_factory=list, repr=False)
+
+    @property
+    def over_floor(self) -> float:
+        """The step's time over its matrix-product floor's (1.0: nothing but the products)."""
+        return self.step_s / self.floor_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode throughput at B = ``batch``."""
+        return self.batch / self.batch_step_s
+
+    def over_bandwidth_floor(self, bandwidth_Bps: float) -> float:
+        """The step's time over the time to read its weights once at ``bandwidth_Bps``."""
+        return self.step_s / (self.weight_bytes / bandwidth_Bps)
+
+
+def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, heldout_ids: list[int],
+                 reference_logp: torch.Tensor | None = None, new_tokens: int = 48, rounds: int = 3,
+                 batch: int = 16) -> tuple[PathFigures, torch.Tensor]:
+    """Measure one path (see the module's docstring); returns its figures and its log-probabilities on
+    ``heldout_ids`` (pass the reference path's as ``reference_logp`` to the others).
+
+    ``prompts``: at least ``batch`` prompts (token-id lists); B = 1 runs the first. Each of ``rounds`` rounds times
+    one matrix-product pass and one request of ``new_tokens`` tokens, in turns, after a warm-up of each."""
+    check_positive_int("rounds", rounds)
+    check_positive_int("batch", batch)
+    check_positive_int("new_tokens", new_tokens)
+    if new_tokens < 2:
+        raise ValueError("new_tokens must be at least 2 (the first token comes from the prefill step)")
+    if len(prompts) < batch:
+        raise ValueError(f"need at least batch = {batch} prompts, got {len(prompts)}")
+    if len(heldout_ids) < 2:
+        raise ValueError("heldout_ids needs at least 2 tokens")
+    weights = RunnerWeights.from_model(model, dtype, pack=pack)
+    prompt_len = max(len(p) for p in prompts[:batch])
+    one = path_engine(model, weights, 1, prompt_len, new_tokens)
+    logp = torch.log_softmax(one.runner.sequence_logits(heldout_ids), -1)
+    quality = {}
+    if reference_logp is not None:
+        stats = token_stats(reference_logp[:-1], logp[:-1], torch.tensor(heldout_ids[1:]))
+        kld, se = mean_and_se(stats["kld"])
+        quality = dict(kld=kld, kld_se=se, same_top=float(stats["same_top"].double().mean()),
+                       positions=len(heldout_ids) - 1)
+    floor = matrix_pass(one.runner)
+    floor()
+    decode_steps(one, prompts[:1], min(new_tokens, 4))                          # warm-up
+    floors, steps = [], []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        floor()
+        floors.append(time.perf_counter() - t0)
+        steps += decode_steps(one, prompts[:1], new_tokens)
+    many = path_engine(model, weights, batch, prompt_len, new_tokens)
+    decode_steps(many, prompts[:batch], 2)                                       # warm-up
+    batch_steps = decode_steps(many, prompts[:batch], new_tokens)
+    figures = PathFigures(label, dtype, pack, statistics.median(steps), statistics.median(floors),
+                          one.runner.step_weight_bytes(), batch, statistics.median(batch_steps),
+                          step_samples=steps, **quality)
+    return figures, logp
+
+
+def measure_paths(model, paths=PATHS, **kw) -> list[PathFigures]:
+    """:func:`measure_path` for each ``(label, dtype, pack)``, the first (the reference) before the others."""
+    out, ref = [], None
+    for label, dtype, pack in paths:
+        figures, logp = measure_path(model, label, dtype, pack, reference_logp=ref, **kw)
+        ref = logp if ref is None else ref
+        out.append(figures)
+    return out
+
+
+@dataclass
+class StepProfile:
+    """Where a decode step's time went, by operator class (:data:`OP_CLASSES`)."""
+
+    label: str
+    ms_per_step: dict             # class -> milliseconds of operators' own time per step
+    calls_per_step: dict          # class -> operator calls per step
+    profiled_step_s: float        # the median step while the profiler recorded
+    step_s: float                 # the median step without it, just before
+    steps: int
+
+    @property
+    def total_ms(self) -> float:
+        return sum(self.ms_per_step.values())
+
+
+def profile_decode(engine: LLMEngine, prompts: list, new_tokens: int, *, label: str = "") -> StepProfile:
+    """Profile the decode steps of ``prompts`` run to ``new_tokens`` tokens: each operator the runner calls (with
+    what it calls in turn) by class, in milliseconds and calls per decode step, and what is left of each step's
+    time between those operators (:data:`PYTHON`). Each step is recorded as a range of its own; the prefill
+    steps are left out."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    check_positive_int("new_tokens", new_tokens)
+    if new_tokens < 2:
+        raise ValueError("new_tokens must be at least 2 (the first token comes from the prefill step)")
+    plain = statistics.median(decode_steps(engine, prompts, new_tokens))
+    run = engine.runner.run
+
+    def recorded(seqs, is_prefill):
+        with record_function("prefill step" if is_prefill else "decode step"):
+            return run(seqs, is_prefill)
+
+    engine.runner.run = recorded
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            steps = decode_steps(engine, prompts, new_tokens)
+    finally:
+        del engine.runner.run
+    events = prof.events()
+    decode = [e for e in events if e.name == "decode step"]
+    ms = {cls: 0.0 for cls in [*OP_CLASSES, OTHER, PYTHON]}
+    calls = dict.fromkeys(ms, 0)
+    for e in events:                    # the operators the runner calls itself, with everything they call
+        parent = e.cpu_parent
+        if parent is None or parent.name != "decode step":
+            continue
+        cls = op_class(e.name)
+        ms[cls] += e.cpu_time_total / 1e3
+        calls[cls] += 1
+    n = max(len(decode), 1)
+    ms[PYTHON] = max(0.0, sum(e.cpu_time_total for e in decode) / 1e3 - sum(ms.values()))
+    return StepProfile(label, {k: v / n for k, v in ms.items()}, {k: v / n for k, v in calls.items()},
+                       statistics.median(steps), plain, len(decode))
+
+
+def profile_figure(profiles: list[StepProfile], *, title: str | None = None):
+    """One stacked bar per path: milliseconds of each operator class per decode step, the unprofiled step marked."""
+    from ..plots import PALETTE, figure
+    fig = figure(title or "Where a decode step's time goes (B = 1), by operator class",
+                 "milliseconds per decode step (under the profiler)", "", height=340)
+    classes = [*OP_CLASSES, OTHER, PYTHON]
+    for i, cls in enumerate(classes):
+        fig.add_bar(y=[p.label for p in profiles], x=[p.ms_per_step[cls] for p in profiles], orientation="h",
+                    name=cls, marker_color=PALETTE[i % len(PALETTE)],
+                    hovertemplate=[f"{cls}: %{{x:.2f}} ms, {p.calls_per_step[cls]:.0f} calls/step<extra></extra>"
+                                   for p in profiles])
+    fig.add_scatter(y=[p.label for p in profiles], x=[p.step_s * 1e3 for p in profiles], mode="markers",
+                    marker=dict(symbol="line-ns-open", size=22, color="black"), name="step without the profiler")
+    fig.update_layout(barmode="stack", legend=dict(orientation="h", y=-0.35))
+    return fig

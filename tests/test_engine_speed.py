@@ -1,0 +1,108 @@
+"""The engine's speed measurements (course_utils.engine.speed): what they report is what they claim to measure.
+
+No timing is asserted (timings are the benchmark's); the quality figures, the profile's bookkeeping and the
+errors are."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from course_utils.engine import RunnerWeights
+from course_utils.engine import speed as S
+from course_utils.evaluate import mean_and_se, token_stats
+
+
+def _prompts(vocab, n, length=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def test_operator_classes_name_each_operator_once():
+    names = [n for names in S.OP_CLASSES.values() for n in names]
+    assert len(names) == len(set(names))
+    assert S.op_class("mkldnn::_linear_pointwise") == "matrix products"
+    assert S.op_class("aten::index_select") == "paged cache (write, gather)"
+    assert S.op_class("aten::argmax") == S.OTHER
+
+
+@pytest.mark.parametrize("pack", ["int8", "int4"])
+def test_a_fast_paths_reported_kld_is_that_of_its_dequantized_weights(tiny_llama, pack):
+    """The KLD measure_path reports for a lossy path equals the KLD of transformers' forward pass with the
+    de-quantised matrices in place (float32, so only the quantization differs), from the float32 reference."""
+    from test_engine import _mimic_of_packing
+    model = tiny_llama
+    prompts, held = _prompts(model.config.vocab_size, 2), _prompts(model.config.vocab_size, 1, 40, seed=1)[0]
+    ref, ref_logp = S.measure_path(model, "float32", "float32", "none", prompts=prompts, heldout_ids=held,
+                                   new_tokens=3, rounds=1, batch=2)
+    assert ref.kld is None and ref.positions == 0
+    fast, _ = S.measure_path(model, pack, "float32", pack, prompts=prompts, heldout_ids=held, reference_logp=ref_logp,
+                             new_tokens=3, rounds=1, batch=2)
+    with torch.no_grad():
+        ids = torch.tensor([held])
+        want_ref = torch.log_softmax(model(ids).logits[0].float(), -1)
+        want = torch.log_softmax(_mimic_of_packing(model, pack)(ids).logits[0].float(), -1)
+    stats = token_stats(want_ref[:-1], want[:-1], torch.tensor(held[1:]))
+    kld, se = mean_and_se(stats["kld"])
+    assert kld > 0
+    assert fast.kld == pytest.approx(kld, rel=1e-3, abs=1e-7)
+    assert fast.kld_se == pytest.approx(se, rel=1e-2, abs=1e-7)
+    assert fast.same_top == pytest.approx(float(stats["same_top"].double().mean()), abs=1.5 / len(held))
+    assert fast.positions == len(held) - 1
+    assert fast.weight_bytes < ref.weight_bytes
+    for f in (ref, fast):
+        assert all(math.isfinite(x) and x > 0 for x in (f.step_s, f.floor_s, f.batch_step_s, f.tokens_per_s))
+        assert len(f.step_samples) == 2                           # 1 round of 3 tokens: 2 decode steps
+
+
+def test_measure_paths_takes_the_first_path_as_the_reference(tiny_qwen2):
+    model = tiny_qwen2
+    figs = S.measure_paths(model, [("a", "float32", "none"), ("b", "float32", "none")],
+                           prompts=_prompts(model.config.vocab_size, 2), heldout_ids=list(range(20)),
+                           new_tokens=2, rounds=1, batch=2)
+    assert figs[0].kld is None
+    assert figs[1].kld == pytest.approx(0.0, abs=1e-9) and figs[1].same_top == 1.0   # the same path, the same logits
+
+
+def test_the_profile_counts_every_matrix_product_of_a_step(tiny_model):
+    """4 products per layer and the LM head, per decode step; the classes and the time between them add up to
+    the profiled steps."""
+    model = tiny_model
+    engine = S.path_engine(model, RunnerWeights.from_model(model, "float32"), 1, 10, 5)
+    p = S.profile_decode(engine, _prompts(model.config.vocab_size, 1), 5, label="tiny")
+    assert p.steps == 4
+    assert p.calls_per_step["matrix products"] == 4 * model.config.num_hidden_layers + 1
+    assert p.calls_per_step["attention"] == model.config.num_hidden_layers
+    assert all(v >= 0 for v in p.ms_per_step.values()) and p.ms_per_step["matrix products"] > 0
+    assert set(p.ms_per_step) == {*S.OP_CLASSES, S.OTHER, S.PYTHON}
+    fig = S.profile_figure([p])
+    assert len(fig.data) == len(p.ms_per_step) + 1
+    assert "run" not in engine.runner.__dict__
+
+
+def test_bad_input_is_refused_with_a_clear_error(tiny_llama):
+    prompts = _prompts(tiny_llama.config.vocab_size, 2)
+    with pytest.raises(ValueError, match="at least batch"):
+        S.measure_path(tiny_llama, "x", "float32", "none", prompts=prompts, heldout_ids=[1, 2, 3], batch=4)
+    with pytest.raises(ValueError, match="new_tokens must be at least 2"):
+        S.measure_path(tiny_llama, "x", "float32", "none", prompts=prompts, heldout_ids=[1, 2, 3], new_tokens=1,
+                       batch=2)
+    with pytest.raises(ValueError, match="heldout_ids"):
+        S.measure_path(tiny_llama, "x", "float32", "none", prompts=prompts, heldout_ids=[1], batch=2)
+    with pytest.raises(ValueError, match="pack must be one of"):
+        S.measure_path(tiny_llama, "x", "float32", "int3", prompts=prompts, heldout_ids=[1, 2, 3], batch=2)
+
+
+def test_the_runners_bfloat16_norm_is_transformers_bit_for_bit(tiny_llama):
+    """RMSNorm in bfloat16 as transformers computes it (normalised in float32, rounded, then scaled)."""
+    from course_utils.engine import ModelRunner
+    runner = ModelRunner(tiny_llama, num_blocks=4, block_size=4, dtype="bfloat16")
+    norm = tiny_llama.model.layers[0].input_layernorm
+    w = (torch.randn(norm.weight.shape, generator=torch.Generator().manual_seed(0)) + 1).to(torch.bfloat16)
+    ref = type(norm)(norm.weight.shape[0], eps=norm.variance_epsilon).to(torch.bfloat16)
+    with torch.no_grad():
+        ref.weight.copy_(w)
+        for scale in (1e-2, 1.0, 300.0):
+            x = (torch.randn(9, w.shape[0], generator=torch.Generator().manual_seed(1)) * scale).to(torch.bfloat16)
+            assert torch.equal(runner._rms_norm(x, w), ref(x))
