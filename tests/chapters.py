@@ -47,7 +47,8 @@ REDUCED: dict[str, dict] = {
     # chapter 11's vLLM half needs its own environment and minutes of start-up: the second run serves the
     # tiny model with the course engine only
     "11": dict(RUN_VLLM=False, N_REQUESTS=8, MEDIAN_OUTPUT=3, LONGEST_OUTPUT=10, TOTAL_OUTPUT=40, PROMPT_TOKENS=[4, 12],
-               RATES=[4.0, 8.0, 16.0], COMPARE_PROMPTS=2, COMPARE_TOKENS=6, SLOTS=4),
+               RATES=[4.0, 8.0, 16.0], COMPARE_PROMPTS=2, COMPARE_TOKENS=6, SLOTS=4, FAST_PROMPT_TOKENS=8,
+               FAST_TOKENS=3, FAST_ROUNDS=1, FAST_HELDOUT=16, PROFILE_TOKENS=3),
 }
 
 

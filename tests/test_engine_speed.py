@@ -106,3 +106,17 @@ def test_the_runners_bfloat16_norm_is_transformers_bit_for_bit(tiny_llama):
         for scale in (1e-2, 1.0, 300.0):
             x = (torch.randn(9, w.shape[0], generator=torch.Generator().manual_seed(1)) * scale).to(torch.bfloat16)
             assert torch.equal(runner._rms_norm(x, w), ref(x))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_packing_a_matrix_slice_by_slice_changes_nothing(monkeypatch, kind):
+    """pack_matrix quantizes a slice of rows at a time (bounded temporaries); the result is the whole matrix's."""
+    from course_utils.engine import packed
+    w = torch.randn(448, 256, generator=torch.Generator().manual_seed(0))
+    whole = packed.pack_matrix(w, kind, torch.float32, keep_w_hat=True)
+    monkeypatch.setattr(packed, "_CHUNK_ELEMENTS", 64 * 256)            # 64-row slices
+    sliced = packed.pack_matrix(w, kind, torch.float32, keep_w_hat=True)
+    for a, b in ((whole.codes, sliced.codes), (whole.scales, sliced.scales), (whole.w_hat, sliced.w_hat)):
+        assert torch.equal(a, b)
+    x = torch.randn(3, 256)
+    assert torch.equal(whole(x), sliced(x))

@@ -18,8 +18,7 @@ import time
 
 import torch
 
-from ..engine import RunnerWeights
-from ..engine.speed import LEVERS, OP_CLASSES, OTHER, PATHS, PYTHON, decode_steps, measure_path, path_engine, profile_decode
+from ..engine.speed import LEVERS, OP_CLASSES, OTHER, PYTHON, available_paths, fastest_exact_bf16, measure_path
 from ..prompts import book_prompts, book_split, token_ids
 from . import Row
 
@@ -48,9 +47,9 @@ def rows(ctx):
     held = token_ids(tok, book_split().heldout, ctx.sizes(256, 24))[0].tolist()
     features = _cpu_features()
     ref_logp, results = None, {}
-    for label, dtype, pack in PATHS:
+    for label, dtype, pack in available_paths(ctx.device):
         f, logp = measure_path(model, label, dtype, pack, prompts=prompts, heldout_ids=held, reference_logp=ref_logp,
-                               new_tokens=new_tokens, rounds=ctx.sizes(5, 1), batch=big)
+                               new_tokens=new_tokens, rounds=ctx.sizes(5, 1), batch=big, profile_tokens=ctx.sizes(9, 3))
         ref_logp = logp if ref_logp is None else ref_logp
         results[label] = f
         mb = f.weight_bytes / 1e6
@@ -78,33 +77,23 @@ def rows(ctx):
                            f"vs float32: {base.step_s / f.step_s:.2f}x at B = 1, "
                            f"{f.tokens_per_s / base.tokens_per_s:.2f}x at B = {big}")
         prev = f
-    yield from _profiles(ctx, model, prompts, prompt_len, new_tokens)
+    yield from _profiles(ctx, results)
     yield from _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, results)
     yield from _llama_cpp(ctx, features)
 
 
-def _profiles(ctx, model, prompts, prompt_len, new_tokens):
+def _profiles(ctx, results):
     """Where a B = 1 decode step's time goes, by operator class: the readable path and the quickest exact bf16 one."""
-    for dtype, pack in (("float32", "none"), ("bfloat16", _fastest_exact_bf16())):
-        engine = path_engine(model, RunnerWeights.from_model(model, dtype, pack=pack), 1, prompt_len, new_tokens)
-        decode_steps(engine, prompts[:1], min(new_tokens, 4))                   # warm-up
-        p = profile_decode(engine, prompts[:1], new_tokens, label=f"{dtype}, pack {pack}")
+    exact_bf16 = fastest_exact_bf16(ctx.device)
+    for f in results.values():
+        if (f.dtype, f.pack) not in (("float32", "none"), ("bfloat16", exact_bf16)):
+            continue
+        p = f.profile
         for cls in [*OP_CLASSES, OTHER, PYTHON]:
             yield Row(_SECTION, f"profile {p.label}: {cls}", p.ms_per_step[cls], "ms/step",
                       note=f"{p.calls_per_step[cls]:.0f} calls per step" if cls != PYTHON else
                       f"profiled step {p.profiled_step_s * 1e3:.1f} ms, unprofiled {p.step_s * 1e3:.1f} ms, "
                       f"{p.steps} steps")
-        del engine
-
-
-def _fastest_exact_bf16() -> str:
-    """The engine's quickest path that keeps the bfloat16 weights: oneDNN-prepacked where this machine has it."""
-    from ..engine.packed import prepack_matrix
-    try:
-        prepack_matrix(torch.zeros(32, 32, dtype=torch.bfloat16))
-        return "onednn"
-    except ValueError:
-        return "none"
 
 
 def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, results):
@@ -140,7 +129,7 @@ def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, results):
 
     idle = {}
     engine = start_engine_server(ctx.model_name, served_model_name="m", dtype="bfloat16", max_num_seqs=big,
-                                 prefix_caching=False, pack=_fastest_exact_bf16(), progress=False)
+                                 prefix_caching=False, pack=fastest_exact_bf16(ctx.device), progress=False)
     try:
         replay(engine.base_url, "m", seq_trace, max_concurrency=1, warmup=1, progress=False)
         block("course engine", engine.base_url)
@@ -163,7 +152,7 @@ def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, results):
     note = (f"blocks engine, vLLM, vLLM, engine, vLLM stopped during the engine's (idle CPU: engine server "
             f"{idle['course engine']:.0f} %, vLLM {idle['vLLM']:.0f} %); "
             f"{prompt_len}-token prompts, {new_tokens} tokens out, ignore_eos")
-    yield Row(_SECTION, f"served, bf16 (engine: pack {_fastest_exact_bf16()}), B = 1: engine TPOT / vLLM TPOT", e1 / v1,
+    yield Row(_SECTION, f"served, bf16 (engine: pack {fastest_exact_bf16(ctx.device)}), B = 1: engine TPOT / vLLM TPOT", e1 / v1,
               "x", "<= 1.0x", e1 / v1 <= 1.0,
               note=f"engine {e1 * 1e3:.1f} ms, vLLM {v1 * 1e3:.1f} ms per token; {note}")
     yield Row(_SECTION, f"served, bf16, B = {big}: engine / vLLM output throughput", e16 / v16, "x", ">= 1.0x",

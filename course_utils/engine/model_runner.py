@@ -113,9 +113,14 @@ class RunnerWeights:
         for layer in layers:
             for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
                 layer[name] = make(layer[name])
-        lm_head = make(lm_head.to(dt) if pack in ("none", "onednn") else lm_head)
-        return cls(dt, layers, model.get_input_embeddings().weight.detach().to(dt),
-                   model.model.norm.weight.detach().to(dt), lm_head, pack)
+        embed = model.get_input_embeddings().weight.detach()
+        tied = lm_head.data_ptr() == embed.data_ptr()
+        embed = embed.to(dt)
+        if pack == "none":
+            lm_head = embed if tied else lm_head.to(dt)          # a tied head stays one tensor in the new dtype too
+        else:
+            lm_head = make(lm_head.to(dt) if pack == "onednn" else lm_head)
+        return cls(dt, layers, embed, model.model.norm.weight.detach().to(dt), lm_head, pack)
 
 
 class ModelRunner:

@@ -106,23 +106,35 @@ class PackedLinear:
 
 def pack_matrix(w: torch.Tensor, kind: str, dtype: torch.dtype, *, keep_w_hat: bool = False) -> PackedLinear:
     """``w`` (N, K) packed for the ``kind`` kernel, computing in ``dtype`` (float32 or bfloat16)."""
-    from ..lowbit_kernels import int4_codes, int4_group_size, int4_pack, int8_pack
+    from ..lowbit_kernels import int4_group_size
     if kind not in PACKINGS[1:]:
         raise ValueError(f"kind must be one of {PACKINGS[1:]}, got {kind!r}")
     if w.dim() != 2:
         raise ValueError(f"w must be a 2-D (out_features, in_features) matrix, got {tuple(w.shape)}")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"the low-bit kernels compute in float32 or bfloat16, got {dtype}")
-    w = w.detach().float()
     n, k = w.shape
+    rows = max(64, _CHUNK_ELEMENTS // k // 64 * 64)        # a slice of rows at a time: the quantizer's temporaries
+    if w.device.type != "cpu":
+        rows = n                                           # (the CUDA int4 layout is tiled: packed whole)
+    parts = [_pack_rows(w[i:i + rows].detach().float(), kind, dtype, keep_w_hat) for i in range(0, n, rows)]
+    codes, scales = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts], dim=0 if kind == "int8" else 1)
+    w_hat = torch.cat([p[2] for p in parts]) if keep_w_hat else None
+    return PackedLinear(kind, codes, scales, k if kind == "int8" else int4_group_size(k), (n, k), w_hat)
+
+
+#: Weights quantized at once by :func:`pack_matrix` (an LM head's fp32 temporaries would otherwise be ~100s of MB).
+_CHUNK_ELEMENTS = 1 << 22
+
+
+def _pack_rows(w: torch.Tensor, kind: str, dtype: torch.dtype, keep_w_hat: bool):
+    """(codes, scales, w_hat or None) of a slice of rows: both quantizers work row by row, so slices concatenate."""
+    from ..lowbit_kernels import int4_codes, int4_group_size, int4_pack, int8_pack
     if kind == "int8":
         codes, scales, w_hat = int8_pack(w)
-        return PackedLinear("int8", codes.to(w.device), scales.to(dtype), k, (n, k),
-                            w_hat.to(dtype) if keep_w_hat else None)
-    g = int4_group_size(k)
-    codes, sz, w_hat = int4_codes(w, g)
-    return PackedLinear("int4", int4_pack(codes, w.device), sz.to(dtype).to(w.device), g, (n, k),
-                        w_hat.to(dtype) if keep_w_hat else None)
+        return codes.to(w.device), scales.to(dtype), w_hat.to(dtype) if keep_w_hat else None
+    codes, sz, w_hat = int4_codes(w, int4_group_size(w.shape[1]))
+    return int4_pack(codes, w.device), sz.to(dtype).to(w.device), w_hat.to(dtype) if keep_w_hat else None
 
 
 def dequantized_like_packing(w: torch.Tensor, kind: str) -> torch.Tensor:

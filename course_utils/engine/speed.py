@@ -21,7 +21,10 @@ unprofiled one.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -66,6 +69,31 @@ OP_CLASSES = {
 }
 OTHER = "everything else (argmax, step set-up)"
 PYTHON = "Python between operators"
+
+
+def available_paths(device="cpu", paths=PATHS) -> list[tuple[str, str, str]]:
+    """The ``paths`` this PyTorch build and this machine can run on ``device``: each packing is tried on a small
+    matrix (oneDNN's bfloat16 linear, for one, exists only on some CPUs and builds)."""
+    from .packed import pack_matrix, prepack_matrix
+    device = torch.device(device)
+    out = []
+    for label, dtype, pack in paths:
+        try:
+            w = torch.randn(64, 128, device=device)
+            x = torch.randn(1, 128, device=device, dtype=getattr(torch, dtype))
+            if pack == "onednn":
+                linear(x, prepack_matrix(w.to(torch.bfloat16)))
+            elif pack != "none":
+                linear(x, pack_matrix(w, pack, getattr(torch, dtype)))
+        except (ValueError, RuntimeError, NotImplementedError):
+            continue
+        out.append((label, dtype, pack))
+    return out
+
+
+def fastest_exact_bf16(device="cpu") -> str:
+    """The packing of the quickest path that keeps the bfloat16 weights: ``"onednn"`` where it runs, else ``"none"``."""
+    return "onednn" if any(p == "onednn" for _, _, p in available_paths(device)) else "none"
 
 
 def op_class(name: str) -> str:
@@ -117,6 +145,7 @@ class PathFigures:
     same_top: float | None = None
     positions: int = 0            # held-out positions the quality figures are taken over
     step_samples: list = field(default_factory=list, repr=False)
+    profile: "StepProfile | None" = None   # where a B = 1 step's time goes (``profile_tokens`` > 0)
 
     @property
     def over_floor(self) -> float:
@@ -135,12 +164,14 @@ class PathFigures:
 
 def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, heldout_ids: list[int],
                  reference_logp: torch.Tensor | None = None, new_tokens: int = 48, rounds: int = 3,
-                 batch: int = 16) -> tuple[PathFigures, torch.Tensor]:
+                 batch: int = 16, profile_tokens: int = 0) -> tuple[PathFigures, torch.Tensor]:
     """Measure one path (see the module's docstring); returns its figures and its log-probabilities on
     ``heldout_ids`` (pass the reference path's as ``reference_logp`` to the others).
 
     ``prompts``: at least ``batch`` prompts (token-id lists); B = 1 runs the first. Each of ``rounds`` rounds times
-    one matrix-product pass and one request of ``new_tokens`` tokens, in turns, after a warm-up of each."""
+    one matrix-product pass and one request of ``new_tokens`` tokens, in turns, after a warm-up of each.
+    ``profile_tokens`` > 0: :func:`profile_decode` then profiles a B = 1 request of that many tokens on the same
+    engine (``figures.profile``)."""
     check_positive_int("rounds", rounds)
     check_positive_int("batch", batch)
     check_positive_int("new_tokens", new_tokens)
@@ -169,22 +200,26 @@ def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, hel
         floor()
         floors.append(time.perf_counter() - t0)
         steps += decode_steps(one, prompts[:1], new_tokens)
+    profiled = profile_decode(one, prompts[:1], profile_tokens, label=label) if profile_tokens else None
     many = path_engine(model, weights, batch, prompt_len, new_tokens)
     decode_steps(many, prompts[:batch], 2)                                       # warm-up
     batch_steps = decode_steps(many, prompts[:batch], new_tokens)
     figures = PathFigures(label, dtype, pack, statistics.median(steps), statistics.median(floors),
                           one.runner.step_weight_bytes(), batch, statistics.median(batch_steps),
-                          step_samples=steps, **quality)
+                          step_samples=steps, profile=profiled, **quality)
     return figures, logp
 
 
 def measure_paths(model, paths=PATHS, **kw) -> list[PathFigures]:
     """:func:`measure_path` for each ``(label, dtype, pack)``, the first (the reference) before the others."""
+    from ..measure import release_memory
     out, ref = [], None
     for label, dtype, pack in paths:
         figures, logp = measure_path(model, label, dtype, pack, reference_logp=ref, **kw)
         ref = logp if ref is None else ref
         out.append(figures)
+        del logp
+        release_memory()                  # one path's weights gone before the next path's are built
     return out
 
 
@@ -204,8 +239,27 @@ class StepProfile:
         return sum(self.ms_per_step.values())
 
 
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence the profiler library's own start/stop lines, which it writes straight to file descriptor 2."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def profile_decode(engine: LLMEngine, prompts: list, new_tokens: int, *, label: str = "") -> StepProfile:
-    """Profile the decode steps of ``prompts`` run to ``new_tokens`` tokens: each operator the runner calls (with
+    """Profile the decode steps of ``prompts`` run to ``new_tokens`` tokens (keep it small: the profiler holds every
+    event, some 60 MB per 8 steps of the embedded model): each operator the runner calls (with
     what it calls in turn) by class, in milliseconds and calls per decode step, and what is left of each step's
     time between those operators (:data:`PYTHON`). Each step is recorded as a range of its own; the prefill
     steps are left out."""
@@ -222,25 +276,30 @@ def profile_decode(engine: LLMEngine, prompts: list, new_tokens: int, *, label: 
 
     engine.runner.run = recorded
     try:
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
             steps = decode_steps(engine, prompts, new_tokens)
     finally:
         del engine.runner.run
     events = prof.events()
     decode = [e for e in events if e.name == "decode step"]
+    decode_s = sum(e.cpu_time_total for e in decode) / 1e6
     ms = {cls: 0.0 for cls in [*OP_CLASSES, OTHER, PYTHON]}
     calls = dict.fromkeys(ms, 0)
-    for e in events:                    # the operators the runner calls itself, with everything they call
-        parent = e.cpu_parent
+    for event in events:                # the operators the runner calls itself, with everything they call
+        parent = event.cpu_parent
         if parent is None or parent.name != "decode step":
             continue
-        cls = op_class(e.name)
-        ms[cls] += e.cpu_time_total / 1e3
+        cls = op_class(event.name)
+        ms[cls] += event.cpu_time_total / 1e3
         calls[cls] += 1
-    n = max(len(decode), 1)
-    ms[PYTHON] = max(0.0, sum(e.cpu_time_total for e in decode) / 1e3 - sum(ms.values()))
+    event = parent = None
+    profiled_steps, n = len(decode), max(len(decode), 1)
+    del events, prof, decode
+    from ..measure import release_memory
+    release_memory()                      # the profiler's records are many small buffers: hand them back
+    ms[PYTHON] = max(0.0, decode_s * 1e3 - sum(ms.values()))
     return StepProfile(label, {k: v / n for k, v in ms.items()}, {k: v / n for k, v in calls.items()},
-                       statistics.median(steps), plain, len(decode))
+                       statistics.median(steps), plain, profiled_steps)
 
 
 def profile_figure(profiles: list[StepProfile], *, title: str | None = None):
