@@ -120,3 +120,8 @@ def test_packing_a_matrix_slice_by_slice_changes_nothing(monkeypatch, kind):
         assert torch.equal(a, b)
     x = torch.randn(3, 256)
     assert torch.equal(whole(x), sliced(x))
+
+
+def test_the_exact_bf16_packing_is_read_from_the_paths_given():
+    assert S.fastest_exact_bf16(S.PATHS) == "onednn"
+    assert S.fastest_exact_bf16([p for p in S.PATHS if p[2] != "onednn"]) == "none"

@@ -77,14 +77,14 @@ def rows(ctx):
                            f"vs float32: {base.step_s / f.step_s:.2f}x at B = 1, "
                            f"{f.tokens_per_s / base.tokens_per_s:.2f}x at B = {big}")
         prev = f
-    yield from _profiles(ctx, results)
-    yield from _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, results)
+    exact_bf16 = fastest_exact_bf16(results.values())
+    yield from _profiles(results, exact_bf16)
+    yield from _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, exact_bf16)
     yield from _llama_cpp(ctx, features)
 
 
-def _profiles(ctx, results):
+def _profiles(results, exact_bf16):
     """Where a B = 1 decode step's time goes, by operator class: the readable path and the quickest exact bf16 one."""
-    exact_bf16 = fastest_exact_bf16(ctx.device)
     for f in results.values():
         if (f.dtype, f.pack) not in (("float32", "none"), ("bfloat16", exact_bf16)):
             continue
@@ -96,7 +96,7 @@ def _profiles(ctx, results):
                       f"{p.steps} steps")
 
 
-def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, results):
+def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, exact_bf16):
     """Both servers in bf16, the same trace, the chapter-11 client; blocks alternate, vLLM stopped during the engine's."""
     if ctx.reduced:
         return
@@ -129,7 +129,7 @@ def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, results):
 
     idle = {}
     engine = start_engine_server(ctx.model_name, served_model_name="m", dtype="bfloat16", max_num_seqs=big,
-                                 prefix_caching=False, pack=fastest_exact_bf16(ctx.device), progress=False)
+                                 prefix_caching=False, pack=exact_bf16, progress=False)
     try:
         replay(engine.base_url, "m", seq_trace, max_concurrency=1, warmup=1, progress=False)
         block("course engine", engine.base_url)
@@ -152,7 +152,7 @@ def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, results):
     note = (f"blocks engine, vLLM, vLLM, engine, vLLM stopped during the engine's (idle CPU: engine server "
             f"{idle['course engine']:.0f} %, vLLM {idle['vLLM']:.0f} %); "
             f"{prompt_len}-token prompts, {new_tokens} tokens out, ignore_eos")
-    yield Row(_SECTION, f"served, bf16 (engine: pack {fastest_exact_bf16(ctx.device)}), B = 1: engine TPOT / vLLM TPOT", e1 / v1,
+    yield Row(_SECTION, f"served, bf16 (engine: pack {exact_bf16}), B = 1: engine TPOT / vLLM TPOT", e1 / v1,
               "x", "<= 1.0x", e1 / v1 <= 1.0,
               note=f"engine {e1 * 1e3:.1f} ms, vLLM {v1 * 1e3:.1f} ms per token; {note}")
     yield Row(_SECTION, f"served, bf16, B = {big}: engine / vLLM output throughput", e16 / v16, "x", ">= 1.0x",

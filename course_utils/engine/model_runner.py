@@ -138,7 +138,6 @@ class ModelRunner:
         self.eps = model.config.rms_norm_eps
         act = decoder_layers(model)[0].mlp.act_fn
         self.act = act.forward if isinstance(act, torch.nn.Module) else act      # (no module call per layer)
-        self.n_heads, self.n_kv, self.head_dim = dims.n_heads, dims.n_kv_heads, dims.head_dim
         self.layers, self.embed = weights.layers, weights.embed
         self.final_norm, self.lm_head = weights.final_norm, weights.lm_head
         pool_shape = (dims.n_layers, num_blocks * block_size, dims.n_kv_heads, dims.head_dim)
@@ -237,13 +236,13 @@ class ModelRunner:
         return out.index_select(0, inp.pad_index)
 
     def _layer(self, i: int, h: torch.Tensor, inp: StepInput, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        w, n_heads, n_kv, head_dim = self.layers[i], self.n_heads, self.n_kv, self.head_dim
+        w, d = self.layers[i], self.dims
         qkv = linear(self._rms_norm(h, w["in_norm"]), w["w_qkv"], w["b_qkv"])
-        n_qk = (n_heads + n_kv) * head_dim
-        qk = qkv[:, :n_qk].view(-1, n_heads + n_kv, head_dim)
-        qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin      # rotary embedding of q and k at once
-        v = qkv[:, n_qk:].view(-1, n_kv, head_dim)
-        attn = self._attention(i, qk[:, :n_heads], qk[:, n_heads:], v, inp)
+        n_qk = (d.n_heads + d.n_kv_heads) * d.head_dim
+        qk = qkv[:, :n_qk].view(-1, d.n_heads + d.n_kv_heads, d.head_dim)
+        qk = qk * cos + qk.roll(d.head_dim // 2, dims=-1) * sin    # rotary embedding of q and k at once
+        v = qkv[:, n_qk:].view(-1, d.n_kv_heads, d.head_dim)
+        attn = self._attention(i, qk[:, :d.n_heads], qk[:, d.n_heads:], v, inp)
         h = add_linear(h, attn, w["w_o"], w["b_o"])
         gate, up = linear(self._rms_norm(h, w["post_norm"]), w["w_gate_up"], w["b_gate_up"]).chunk(2, dim=-1)
         return add_linear(h, self.act(gate) * up, w["w_down"], w["b_down"])

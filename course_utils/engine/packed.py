@@ -23,7 +23,6 @@ gate/up before packing changes nothing: both quantizers work row by row.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,16 +30,6 @@ import torch.nn.functional as F
 
 #: What ``RunnerWeights.from_model(..., pack=...)`` accepts.
 PACKINGS = ("none", "onednn", "int8", "int4")
-
-
-@functools.cache
-def _ops():
-    """The kernels' operator handles, looked up once (``torch.ops`` resolves each name on every access)."""
-    import types
-    return types.SimpleNamespace(onednn_linear=torch.ops.mkldnn._linear_pointwise,
-                                 int8_mm=torch.ops.aten._weight_int8pack_mm,
-                                 int4_mm_cpu=torch.ops.aten._weight_int4pack_mm_for_cpu,
-                                 int4_mm=torch.ops.aten._weight_int4pack_mm)
 
 
 @dataclass
@@ -53,7 +42,7 @@ class PrepackedLinear:
     dtype: torch.dtype = torch.bfloat16
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _ops().onednn_linear(x, self.packed, None, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
 def prepack_matrix(w: torch.Tensor) -> PrepackedLinear:
@@ -91,12 +80,11 @@ class PackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W_hat^T`` for ``x`` of shape (T, in_features) in the scales' dtype."""
-        ops = _ops()
         if self.kind == "int8":
-            return ops.int8_mm(x, self.codes, self.scales)
+            return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
         if x.device.type == "cpu":
-            return ops.int4_mm_cpu(x, self.codes, self.group_size, self.scales)
-        return ops.int4_mm(x, self.codes, self.group_size, self.scales)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.codes, self.group_size, self.scales)
+        return torch.ops.aten._weight_int4pack_mm(x, self.codes, self.group_size, self.scales)
 
     def dequantized(self) -> torch.Tensor:
         if self.w_hat is None:

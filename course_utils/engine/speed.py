@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..evaluate import mean_and_se, token_stats
+from ..measure import release_memory
 from ..validation import check_positive_int
 from .engine import LLMEngine
 from .model_runner import RunnerWeights
@@ -91,9 +92,11 @@ def available_paths(device="cpu", paths=PATHS) -> list[tuple[str, str, str]]:
     return out
 
 
-def fastest_exact_bf16(device="cpu") -> str:
-    """The packing of the quickest path that keeps the bfloat16 weights: ``"onednn"`` where it runs, else ``"none"``."""
-    return "onednn" if any(p == "onednn" for _, _, p in available_paths(device)) else "none"
+def fastest_exact_bf16(paths) -> str:
+    """Of ``paths`` (``(label, dtype, pack)`` triples or :class:`PathFigures`, e.g. :func:`available_paths`), the
+    packing of the quickest one that keeps the bfloat16 weights: ``"onednn"`` where it is among them, else ``"none"``."""
+    packs = {p.pack if isinstance(p, PathFigures) else p[2] for p in paths}
+    return "onednn" if "onednn" in packs else "none"
 
 
 def op_class(name: str) -> str:
@@ -105,11 +108,11 @@ def op_class(name: str) -> str:
 
 
 def path_engine(model, weights: RunnerWeights, slots: int, prompt_len: int, new_tokens: int) -> LLMEngine:
-    """An engine with ``slots`` slots and just enough blocks for prompts of ``prompt_len`` and ``new_tokens`` answers
-    (prefix caching off: every run computes its prompt)."""
-    blocks = slots * (-(-(prompt_len + new_tokens) // 16)) + 2
-    return LLMEngine(model, num_blocks=max(blocks, 24), block_size=16, max_num_seqs=slots, prefix_caching=False,
-                     weights=weights)
+    """An engine with ``slots`` slots and enough blocks for prompts of ``prompt_len`` and ``new_tokens`` answers
+    (:func:`~course_utils.batching.pool_blocks`; prefix caching off: every run computes its prompt)."""
+    from ..batching import pool_blocks
+    return LLMEngine(model, num_blocks=pool_blocks([prompt_len], [new_tokens], block_size=16, slots=slots),
+                     block_size=16, max_num_seqs=slots, prefix_caching=False, weights=weights)
 
 
 def decode_steps(engine: LLMEngine, prompts: list, new_tokens: int) -> list[float]:
@@ -183,7 +186,7 @@ def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, hel
         raise ValueError("heldout_ids needs at least 2 tokens")
     weights = RunnerWeights.from_model(model, dtype, pack=pack)
     prompt_len = max(len(p) for p in prompts[:batch])
-    one = path_engine(model, weights, 1, prompt_len, new_tokens)
+    one = path_engine(model, weights, 1, max(prompt_len, len(heldout_ids)), new_tokens)   # room for sequence_logits
     logp = torch.log_softmax(one.runner.sequence_logits(heldout_ids), -1)
     quality = {}
     if reference_logp is not None:
@@ -212,7 +215,6 @@ def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, hel
 
 def measure_paths(model, paths=PATHS, **kw) -> list[PathFigures]:
     """:func:`measure_path` for each ``(label, dtype, pack)``, the first (the reference) before the others."""
-    from ..measure import release_memory
     out, ref = [], None
     for label, dtype, pack in paths:
         figures, logp = measure_path(model, label, dtype, pack, reference_logp=ref, **kw)
@@ -280,26 +282,28 @@ def profile_decode(engine: LLMEngine, prompts: list, new_tokens: int, *, label: 
             steps = decode_steps(engine, prompts, new_tokens)
     finally:
         del engine.runner.run
-    events = prof.events()
-    decode = [e for e in events if e.name == "decode step"]
-    decode_s = sum(e.cpu_time_total for e in decode) / 1e6
-    ms = {cls: 0.0 for cls in [*OP_CLASSES, OTHER, PYTHON]}
-    calls = dict.fromkeys(ms, 0)
-    for event in events:                # the operators the runner calls itself, with everything they call
-        parent = event.cpu_parent
-        if parent is None or parent.name != "decode step":
-            continue
-        cls = op_class(event.name)
-        ms[cls] += event.cpu_time_total / 1e3
-        calls[cls] += 1
-    event = parent = None
-    profiled_steps, n = len(decode), max(len(decode), 1)
-    del events, prof, decode
-    from ..measure import release_memory
+    profiled_steps, decode_ms, ms, calls = _by_class(prof.events())
+    del prof
     release_memory()                      # the profiler's records are many small buffers: hand them back
-    ms[PYTHON] = max(0.0, decode_s * 1e3 - sum(ms.values()))
+    ms[PYTHON] = max(0.0, decode_ms - sum(ms.values()))
+    n = max(profiled_steps, 1)
     return StepProfile(label, {k: v / n for k, v in ms.items()}, {k: v / n for k, v in calls.items()},
                        statistics.median(steps), plain, profiled_steps)
+
+
+def _by_class(events) -> tuple[int, float, dict, dict]:
+    """(decode steps, their milliseconds, ms by class, calls by class) of a profile: the operators each decode
+    step's range holds directly, each with everything it calls."""
+    decode = [e for e in events if e.name == "decode step"]
+    ms = {cls: 0.0 for cls in [*OP_CLASSES, OTHER, PYTHON]}
+    calls = dict.fromkeys(ms, 0)
+    for event in events:
+        parent = event.cpu_parent
+        if parent is not None and parent.name == "decode step":
+            cls = op_class(event.name)
+            ms[cls] += event.cpu_time_total / 1e3
+            calls[cls] += 1
+    return len(decode), sum(e.cpu_time_total for e in decode) / 1e3, ms, calls
 
 
 def profile_figure(profiles: list[StepProfile], *, title: str | None = None):
