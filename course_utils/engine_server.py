@@ -365,8 +365,9 @@ def build_engine(model_name: str, *, device: str = "cpu", dtype: str = "float32"
                  num_blocks: int = 256, block_size: int = 16, prefix_caching: bool = True, pack: str = "none"):
     """Load ``model_name`` and build the engine the server runs: ``(engine, tokenizer)``.
 
-    ``dtype``: what the engine computes in; ``pack``: the engine's low-bit fast path (``"int8"``, ``"int4"``;
-    :mod:`course_utils.engine.packed`), ``"none"`` for the dense path."""
+    ``dtype``: what the engine computes in; ``pack``: the engine's fast path (``"onednn"``, ``"int8"``, ``"int4"``,
+    ``"compiled"``: :mod:`course_utils.engine.packed`, :mod:`course_utils.engine.compiled` -- a compiled step
+    compiles each new batch / context shape on its first request), ``"none"`` for the dense path."""
     from .engine import LLMEngine, RunnerWeights
     from .models import load_model
 
@@ -421,8 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: PyTorch's choice)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt blocks")
     parser.add_argument("--dtype", default="float32", help="what the engine computes in (float32, bfloat16)")
-    parser.add_argument("--pack", default="none", choices=["none", "onednn", "int8", "int4"],
-                        help="the engine's low-bit fast path (lossy; default: none, the dense path)")
+    parser.add_argument("--pack", default="none", choices=["none", "onednn", "int8", "int4", "compiled"],
+                        help="the engine's fast path (default: none, the dense path)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ..engine.speed import LEVERS, OP_CLASSES, OTHER, PYTHON, available_paths, fastest_exact_bf16, measure_path
+from ..engine.speed import CLASSES, PYTHON, ablation, available_paths, fastest_bf16, fastest_exact_bf16, measure_path
 from ..prompts import book_prompts, book_split, token_ids
 from . import Row
 
@@ -58,7 +58,7 @@ def rows(ctx):
             f"({f.positions} held-out positions)")
         yield Row(_SECTION, f"engine decode, B = 1, {label}", f.step_s * 1e3, "ms/token",
                   note=f"{mb:,.0f} MB of weights per step; {q}; {features}")
-        target = "<= 1.3x" if pack in ("none", "onednn") and dtype == "bfloat16" else None
+        target = "<= 1.3x" if pack in ("none", "onednn", "compiled") and dtype == "bfloat16" else None
         yield Row(_SECTION, f"engine step / matrix-product floor, B = 1, {label}", f.over_floor, "x", target,
                   None if target is None else f.over_floor <= 1.3,
                   note=f"the same matrices, one row each, timed in turns with the steps: {f.floor_s * 1e3:.1f} ms; "
@@ -68,35 +68,38 @@ def rows(ctx):
                   note=f"{mb:,.0f} MB at {bw / 1e9:.1f} GB/s = {f.weight_bytes / bw * 1e3:.1f} ms")
         yield Row(_SECTION, f"engine decode throughput, B = {big}, {label}", f.tokens_per_s, "tok/s",
                   note=f"median step {f.batch_step_s * 1e3:.1f} ms, {prompt_len}-token prompts")
-    prev = None
+        if f.compile_s:
+            shapes = ", ".join(f"B {b} x {w} blocks {t:.0f} s" for (b, w), t in sorted(f.compile_s.items()))
+            yield Row(_SECTION, f"compile time, {label}", sum(f.compile_s.values()), "s",
+                      note=f"once per (padded batch, blocks) shape, on its first step: {shapes}; the steps above "
+                           "were timed after")
     base = results["float32"]
-    for label, f in results.items():
-        if prev is not None:
-            yield Row(_SECTION, f"ablation: {label} vs {prev.label}", prev.step_s / f.step_s, "x faster at B = 1",
-                      note=f"{LEVERS[label]}; B = {big}: {f.tokens_per_s / prev.tokens_per_s:.2f}x the throughput; "
-                           f"vs float32: {base.step_s / f.step_s:.2f}x at B = 1, "
-                           f"{f.tokens_per_s / base.tokens_per_s:.2f}x at B = {big}")
-        prev = f
+    for f, prev, lever in ablation(list(results.values())):
+        yield Row(_SECTION, f"ablation: {f.label} vs {prev.label}", prev.step_s / f.step_s, "x faster at B = 1",
+                  note=f"{lever}; B = {big}: {f.tokens_per_s / prev.tokens_per_s:.2f}x the throughput; "
+                       f"vs float32: {base.step_s / f.step_s:.2f}x at B = 1, "
+                       f"{f.tokens_per_s / base.tokens_per_s:.2f}x at B = {big}")
     exact_bf16 = fastest_exact_bf16(results.values())
     yield from _profiles(results, exact_bf16)
-    yield from _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, exact_bf16)
+    yield from _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, fastest_bf16(results.values()).pack)
     yield from _llama_cpp(ctx, features)
 
 
 def _profiles(results, exact_bf16):
-    """Where a B = 1 decode step's time goes, by operator class: the readable path and the quickest exact bf16 one."""
+    """Where a B = 1 decode step's time goes, by operator class: the readable path, the quickest eager bf16 one and
+    the compiled one."""
     for f in results.values():
-        if (f.dtype, f.pack) not in (("float32", "none"), ("bfloat16", exact_bf16)):
+        if (f.dtype, f.pack) not in (("float32", "none"), ("bfloat16", exact_bf16), ("bfloat16", "compiled")):
             continue
         p = f.profile
-        for cls in [*OP_CLASSES, OTHER, PYTHON]:
+        for cls in CLASSES:
             yield Row(_SECTION, f"profile {p.label}: {cls}", p.ms_per_step[cls], "ms/step",
                       note=f"{p.calls_per_step[cls]:.0f} calls per step" if cls != PYTHON else
                       f"profiled step {p.profiled_step_s * 1e3:.1f} ms, unprofiled {p.step_s * 1e3:.1f} ms, "
                       f"{p.steps} steps")
 
 
-def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, exact_bf16):
+def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, pack):
     """Both servers in bf16, the same trace, the chapter-11 client; blocks alternate, vLLM stopped during the engine's."""
     if ctx.reduced:
         return
@@ -129,9 +132,11 @@ def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, exact_bf16):
 
     idle = {}
     engine = start_engine_server(ctx.model_name, served_model_name="m", dtype="bfloat16", max_num_seqs=big,
-                                 prefix_caching=False, pack=exact_bf16, progress=False)
+                                 prefix_caching=False, pack=pack, progress=False)
     try:
         replay(engine.base_url, "m", seq_trace, max_concurrency=1, warmup=1, progress=False)
+        if pack == "compiled":        # its B = 1 and B = 16 shapes compile on their first steps: before the clock
+            replay(engine.base_url, "m", par_trace, max_concurrency=big, warmup=0, progress=False)
         block("course engine", engine.base_url)
         idle["course engine"] = idle_cpu(engine)
         vllm = vllm_env.start_vllm_server(folder, served_model_name="m", dtype="bfloat16", max_num_seqs=big,
@@ -152,7 +157,7 @@ def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, exact_bf16):
     note = (f"blocks engine, vLLM, vLLM, engine, vLLM stopped during the engine's (idle CPU: engine server "
             f"{idle['course engine']:.0f} %, vLLM {idle['vLLM']:.0f} %); "
             f"{prompt_len}-token prompts, {new_tokens} tokens out, ignore_eos")
-    yield Row(_SECTION, f"served, bf16 (engine: pack {exact_bf16}), B = 1: engine TPOT / vLLM TPOT", e1 / v1,
+    yield Row(_SECTION, f"served, bf16 (engine: pack {pack}, its quickest bf16 path above), B = 1: engine TPOT / vLLM TPOT", e1 / v1,
               "x", "<= 1.0x", e1 / v1 <= 1.0,
               note=f"engine {e1 * 1e3:.1f} ms, vLLM {v1 * 1e3:.1f} ms per token; {note}")
     yield Row(_SECTION, f"served, bf16, B = {big}: engine / vLLM output throughput", e16 / v16, "x", ">= 1.0x",

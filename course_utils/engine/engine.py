@@ -55,7 +55,8 @@ class LLMEngine:
                  max_num_batched_tokens: int | None = None, policy: str = "continuous",
                  prefix_caching: bool = True, dtype=None, eos_token_ids=None, weights: RunnerWeights | None = None):
         self.block_manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
-        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, dtype=dtype, weights=weights)
+        self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, dtype=dtype, weights=weights,
+                                  max_num_seqs=max_num_seqs)
         self.capacity_tokens = min(num_blocks * block_size, self.runner.max_positions)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs, policy=policy,
                                    max_num_batched_tokens=max_num_batched_tokens or self.capacity_tokens)

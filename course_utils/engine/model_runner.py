@@ -76,7 +76,8 @@ class RunnerWeights:
     ``pack="int8"`` or ``"int4"``: the fast path of :mod:`.packed` -- every matrix (the four per layer and
     the LM head) becomes a :class:`~.packed.PackedLinear` for a weight-only low-bit kernel computing in
     ``dtype``; lossy. ``pack="onednn"`` (bfloat16): the same bfloat16 matrices in oneDNN's layout
-    (:class:`~.packed.PrepackedLinear`). ``"none"`` (the default) is the path chapter 04 shows.
+    (:class:`~.packed.PrepackedLinear`). ``pack="compiled"``: the dense matrices, and the runner's decode steps
+    compiled by ``torch.compile`` (:mod:`.compiled`). ``"none"`` (the default) is the path chapter 04 shows.
     """
 
     dtype: torch.dtype
@@ -108,7 +109,7 @@ class RunnerWeights:
         lm_head = model.get_output_embeddings().weight.detach()
         if pack == "onednn" and dt != torch.bfloat16:
             raise ValueError(f"pack='onednn' computes in bfloat16; got dtype {dt}")
-        make = {"none": lambda w: w, "onednn": prepack_matrix, "int8": lambda w: pack_matrix(w, "int8", dt),
+        make = {"none": lambda w: w, "compiled": lambda w: w, "onednn": prepack_matrix, "int8": lambda w: pack_matrix(w, "int8", dt),
                 "int4": lambda w: pack_matrix(w, "int4", dt)}[pack]
         for layer in layers:
             for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
@@ -116,7 +117,7 @@ class RunnerWeights:
         embed = model.get_input_embeddings().weight.detach()
         tied = lm_head.data_ptr() == embed.data_ptr()
         embed = embed.to(dt)
-        if pack == "none":
+        if pack in ("none", "compiled"):
             lm_head = embed if tied else lm_head.to(dt)          # a tied head stays one tensor in the new dtype too
         else:
             lm_head = make(lm_head.to(dt) if pack == "onednn" else lm_head)
@@ -126,7 +127,8 @@ class RunnerWeights:
 class ModelRunner:
     """Greedy next tokens for a batch of sequences, reading K/V through their block tables."""
 
-    def __init__(self, model, *, num_blocks: int, block_size: int, dtype=None, weights: RunnerWeights | None = None):
+    def __init__(self, model, *, num_blocks: int, block_size: int, dtype=None, weights: RunnerWeights | None = None,
+                 max_num_seqs: int = 16):
         _check_supported(model)
         if weights is None:
             weights = RunnerWeights.from_model(model, dtype)
@@ -154,6 +156,10 @@ class ModelRunner:
         sin = (emb.sin() * rot.attention_scaling).to(self.dtype)
         half = dims.head_dim // 2          # rotate_half(x) * sin == roll(x, half) * (sin with its first half negated)
         self.sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self.compiled = None                 # pack="compiled": decode steps through a compiled step (batch padded)
+        if weights.pack == "compiled":
+            from .compiled import CompiledDecode
+            self.compiled = CompiledDecode(self, batch_sizes=(1, max_num_seqs))
 
     def step_matrices(self) -> list:
         """The weight matrices one decode step multiplies, in order (the LM head last): tensors, or
@@ -250,6 +256,8 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, inp: StepInput) -> torch.Tensor:
         """Logits of each sequence's last new token, (S, vocab)."""
+        if self.compiled is not None and inp.pad_index is None and inp.write_rows is None:
+            return self.compiled(inp)                         # a decode step, every token new: the compiled path
         h = F.embedding(inp.input_ids, self.embed)
         cos, sin = self.cos[inp.positions][:, None], self.sin[inp.positions][:, None]
         for i in range(len(self.layers)):
@@ -271,6 +279,24 @@ class ModelRunner:
         inp = self.prepare([seq], is_prefill=True)
         inp.last_rows = torch.arange(len(token_ids), device=self.device)
         return self.forward(inp).float()
+
+    @torch.no_grad()
+    def decode_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of one sequence, (len, vocab) in float32, the first from a prefill of one
+        token and each next one from a decode step fed the sequence's next token: what the engine's decode steps
+        compute (on ``pack="compiled"`` a different computation from :meth:`sequence_logits`' prefill). Writes the
+        pool's first blocks, like :meth:`sequence_logits`."""
+        n_blocks = -(-len(token_ids) // self.block_size)
+        if not token_ids or n_blocks > self.num_blocks or len(token_ids) > self.max_positions:
+            raise ValueError(f"need 1 to {min(self.num_blocks * self.block_size, self.max_positions)} tokens, "
+                             f"got {len(token_ids)}")
+        seq = Sequence(0, [token_ids[0]], len(token_ids), block_size=self.block_size, ignore_eos=True)
+        seq.block_table = list(range(n_blocks))
+        out = [self.forward(self.prepare([seq], is_prefill=True)).float()]
+        for t in token_ids[1:]:
+            seq.append(t)
+            out.append(self.forward(self.prepare([seq], is_prefill=False)).float())
+        return torch.cat(out)
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step: the greedy next token of every sequence."""

@@ -28,8 +28,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-#: What ``RunnerWeights.from_model(..., pack=...)`` accepts.
-PACKINGS = ("none", "onednn", "int8", "int4")
+#: What ``RunnerWeights.from_model(..., pack=...)`` accepts (``"compiled"``: dense weights, the decode step
+#: compiled by ``torch.compile``, :mod:`.compiled`).
+PACKINGS = ("none", "onednn", "int8", "int4", "compiled")
+#: The low-bit kernels' packings.
+LOWBIT = ("int8", "int4")
 
 
 @dataclass
@@ -95,8 +98,8 @@ class PackedLinear:
 def pack_matrix(w: torch.Tensor, kind: str, dtype: torch.dtype, *, keep_w_hat: bool = False) -> PackedLinear:
     """``w`` (N, K) packed for the ``kind`` kernel, computing in ``dtype`` (float32 or bfloat16)."""
     from ..lowbit_kernels import int4_group_size
-    if kind not in PACKINGS[1:]:
-        raise ValueError(f"kind must be one of {PACKINGS[1:]}, got {kind!r}")
+    if kind not in LOWBIT:
+        raise ValueError(f"kind must be one of {LOWBIT}, got {kind!r}")
     if w.dim() != 2:
         raise ValueError(f"w must be a 2-D (out_features, in_features) matrix, got {tuple(w.shape)}")
     if dtype not in (torch.float32, torch.bfloat16):
@@ -132,7 +135,7 @@ def dequantized_like_packing(w: torch.Tensor, kind: str) -> torch.Tensor:
         return int8_pack(w.detach().float())[2]
     if kind == "int4":
         return int4_codes(w.detach().float(), int4_group_size(w.shape[1]))[2]
-    raise ValueError(f"kind must be one of {PACKINGS[1:]}, got {kind!r}")
+    raise ValueError(f"kind must be one of {LOWBIT}, got {kind!r}")
 
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:

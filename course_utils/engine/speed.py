@@ -40,13 +40,35 @@ from .packed import linear
 #: (label, dtype, pack) of the paths the course measures, the readable one first: each row adds one lever.
 PATHS = [("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"),
          ("bfloat16, oneDNN-prepacked", "bfloat16", "onednn"),
+         ("bfloat16, compiled decode step", "bfloat16", "compiled"),
          ("int8 weights, bf16 activations", "bfloat16", "int8"), ("int4 weights, bf16 activations", "bfloat16", "int4")]
 
-#: What each path adds to the one before it (the ablation's rows).
-LEVERS = {"bfloat16": "bfloat16 weights and activations (half the bytes)",
-          "bfloat16, oneDNN-prepacked": "the same bf16 weights stored once in oneDNN's layout",
-          "int8 weights, bf16 activations": "weight-only int8 kernel (one byte per weight, a scale per row)",
-          "int4 weights, bf16 activations": "weight-only int4 kernel (half a byte per weight, scales per group)"}
+#: What each path adds to the path it builds on (the ablation's rows): label -> (the base path's label, the lever).
+LEVERS = {"bfloat16": ("float32", "bfloat16 weights and activations (half the bytes)"),
+          "bfloat16, oneDNN-prepacked": ("bfloat16", "the same bf16 weights stored once in oneDNN's layout"),
+          "bfloat16, compiled decode step": ("bfloat16, oneDNN-prepacked",
+                                             "the whole decode step compiled by torch.compile (one call; element-wise "
+                                             "work fused into generated loops; weights frozen in oneDNN's layout)"),
+          "int8 weights, bf16 activations": ("bfloat16, oneDNN-prepacked",
+                                             "weight-only int8 kernel (one byte per weight, a scale per row)"),
+          "int4 weights, bf16 activations": ("int8 weights, bf16 activations",
+                                             "weight-only int4 kernel (half a byte per weight, scales per group)")}
+
+
+def ablation(figures) -> list[tuple["PathFigures", "PathFigures", str]]:
+    """(path, the measured path it builds on, the lever) for each of ``figures`` whose base was measured too; a
+    path whose base was not measured builds on the nearest measured path before it in :data:`PATHS` order."""
+    by_label = {f.label: f for f in figures}
+    out = []
+    for i, f in enumerate(figures):
+        if f.label not in LEVERS or i == 0:
+            continue
+        base, lever = LEVERS[f.label]
+        while base not in by_label and base in LEVERS:
+            base = LEVERS[base][0]
+        out.append((f, by_label.get(base, figures[i - 1]), lever))
+    return out
+
 
 #: Operator classes of a profile, in the order they are shown, each with the operator names it holds.
 OP_CLASSES = {
@@ -68,8 +90,11 @@ OP_CLASSES = {
         "aten::alias", "aten::_reshape_alias", "aten::contiguous", "aten::clone", "aten::resize_", "aten::lift_fresh",
         "aten::index", "aten::zeros", "aten::new_zeros", "aten::new_empty"),
 }
+COMPILED = "compiled graph's own code (fused element-wise loops, guards, wrapper)"
 OTHER = "everything else (argmax, step set-up)"
 PYTHON = "Python between operators"
+#: Every class a :class:`StepProfile` reports, in order.
+CLASSES = [*OP_CLASSES, COMPILED, OTHER, PYTHON]
 
 
 def available_paths(device="cpu", paths=PATHS) -> list[tuple[str, str, str]]:
@@ -84,6 +109,9 @@ def available_paths(device="cpu", paths=PATHS) -> list[tuple[str, str, str]]:
             x = torch.randn(1, 128, device=device, dtype=getattr(torch, dtype))
             if pack == "onednn":
                 linear(x, prepack_matrix(w.to(torch.bfloat16)))
+            elif pack == "compiled":
+                from .compiled import check_compiler
+                check_compiler()
             elif pack != "none":
                 linear(x, pack_matrix(w, pack, getattr(torch, dtype)))
         except (ValueError, RuntimeError, NotImplementedError):
@@ -94,9 +122,19 @@ def available_paths(device="cpu", paths=PATHS) -> list[tuple[str, str, str]]:
 
 def fastest_exact_bf16(paths) -> str:
     """Of ``paths`` (``(label, dtype, pack)`` triples or :class:`PathFigures`, e.g. :func:`available_paths`), the
-    packing of the quickest one that keeps the bfloat16 weights: ``"onednn"`` where it is among them, else ``"none"``."""
+    packing of the quickest eager one that keeps the bfloat16 weights: ``"onednn"`` where it is among them, else
+    ``"none"`` (the compiled step keeps them too, but rounds in other places and costs a compile: not "eager")."""
     packs = {p.pack if isinstance(p, PathFigures) else p[2] for p in paths}
     return "onednn" if "onednn" in packs else "none"
+
+
+def fastest_bf16(figures) -> "PathFigures":
+    """Of measured ``figures``, the bfloat16 path that keeps every weight (dense, oneDNN, compiled) with the
+    quickest B = 1 step in this run."""
+    keep = [f for f in figures if f.dtype == "bfloat16" and f.pack in ("none", "onednn", "compiled")]
+    if not keep:
+        raise ValueError("no bfloat16 path with unquantized weights among the figures")
+    return min(keep, key=lambda f: f.step_s)
 
 
 def op_class(name: str) -> str:
@@ -123,8 +161,15 @@ def decode_steps(engine: LLMEngine, prompts: list, new_tokens: int) -> list[floa
 
 
 def matrix_pass(runner):
-    """A function that multiplies every matrix of one decode step once by a one-row input, as the step does."""
+    """A function that multiplies every matrix of one decode step once by a one-row input, as the step does (a
+    compiled step multiplies them in oneDNN's layout, where this build has it: so does its floor)."""
     mats = runner.step_matrices()
+    if runner.compiled is not None and runner.dtype == torch.bfloat16:
+        from .packed import prepack_matrix
+        try:
+            mats = [prepack_matrix(m) for m in mats]
+        except ValueError:
+            pass
     xs = {}
     for m in mats:
         xs.setdefault(m.shape[1], torch.randn(1, m.shape[1], dtype=runner.dtype, device=runner.device))
@@ -149,6 +194,7 @@ class PathFigures:
     positions: int = 0            # held-out positions the quality figures are taken over
     step_samples: list = field(default_factory=list, repr=False)
     profile: "StepProfile | None" = None   # where a B = 1 step's time goes (``profile_tokens`` > 0)
+    compile_s: dict = field(default_factory=dict)   # pack "compiled": (batch, blocks) -> seconds its compile took
 
     @property
     def over_floor(self) -> float:
@@ -172,7 +218,8 @@ def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, hel
     ``heldout_ids`` (pass the reference path's as ``reference_logp`` to the others).
 
     ``prompts``: at least ``batch`` prompts (token-id lists); B = 1 runs the first. Each of ``rounds`` rounds times
-    one matrix-product pass and one request of ``new_tokens`` tokens, in turns, after a warm-up of each.
+    ``new_tokens // 4`` matrix-product passes and one request of ``new_tokens`` tokens, in turns, after a
+    warm-up of each.
     ``profile_tokens`` > 0: :func:`profile_decode` then profiles a B = 1 request of that many tokens on the same
     engine (``figures.profile``)."""
     check_positive_int("rounds", rounds)
@@ -187,7 +234,8 @@ def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, hel
     weights = RunnerWeights.from_model(model, dtype, pack=pack)
     prompt_len = max(len(p) for p in prompts[:batch])
     one = path_engine(model, weights, 1, max(prompt_len, len(heldout_ids)), new_tokens)   # room for sequence_logits
-    logp = torch.log_softmax(one.runner.sequence_logits(heldout_ids), -1)
+    logits = one.runner.decode_logits if pack == "compiled" else one.runner.sequence_logits   # what its decode runs
+    logp = torch.log_softmax(logits(heldout_ids), -1)
     quality = {}
     if reference_logp is not None:
         stats = token_stats(reference_logp[:-1], logp[:-1], torch.tensor(heldout_ids[1:]))
@@ -198,10 +246,11 @@ def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, hel
     floor()
     decode_steps(one, prompts[:1], min(new_tokens, 4))                          # warm-up
     floors, steps = [], []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        floor()
-        floors.append(time.perf_counter() - t0)
+    for _ in range(rounds):                 # a pass per four steps: both medians cover the same stretch of time
+        for _ in range(max(1, new_tokens // 4)):
+            t0 = time.perf_counter()
+            floor()
+            floors.append(time.perf_counter() - t0)
         steps += decode_steps(one, prompts[:1], new_tokens)
     profiled = profile_decode(one, prompts[:1], profile_tokens, label=label) if profile_tokens else None
     many = path_engine(model, weights, batch, prompt_len, new_tokens)
@@ -210,6 +259,13 @@ def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, hel
     figures = PathFigures(label, dtype, pack, statistics.median(steps), statistics.median(floors),
                           one.runner.step_weight_bytes(), batch, statistics.median(batch_steps),
                           step_samples=steps, profile=profiled, **quality)
+    for e in (one, many):
+        if e.runner.compiled is not None:
+            figures.compile_s.update(e.runner.compiled.compile_s)
+    if pack == "compiled":
+        from .compiled import release_compiled
+        del one, many
+        release_compiled()                    # its graphs hold a frozen copy of the weights each
     return figures, logp
 
 
@@ -291,18 +347,31 @@ def profile_decode(engine: LLMEngine, prompts: list, new_tokens: int, *, label: 
                        statistics.median(steps), plain, profiled_steps)
 
 
+def _is_wrapper(name: str) -> bool:
+    """Events of a compiled region that hold the region's operators (its own time: :data:`COMPILED`)."""
+    return name.startswith(("Torch-Compiled Region", "## Call CompiledFxGraph", "TorchDynamo Cache Lookup",
+                            "AOTDispatcher", "Pregraph bytecode", "CompiledFunction"))
+
+
 def _by_class(events) -> tuple[int, float, dict, dict]:
     """(decode steps, their milliseconds, ms by class, calls by class) of a profile: the operators each decode
     step's range holds directly, each with everything it calls."""
     decode = [e for e in events if e.name == "decode step"]
-    ms = {cls: 0.0 for cls in [*OP_CLASSES, OTHER, PYTHON]}
+    ms = {cls: 0.0 for cls in CLASSES}
     calls = dict.fromkeys(ms, 0)
     for event in events:
         parent = event.cpu_parent
-        if parent is not None and parent.name == "decode step":
-            cls = op_class(event.name)
-            ms[cls] += event.cpu_time_total / 1e3
-            calls[cls] += 1
+        while parent is not None and _is_wrapper(parent.name):      # a compiled region's operators count as the step's
+            parent = parent.cpu_parent
+        if parent is None or parent.name != "decode step":
+            continue
+        if _is_wrapper(event.name):
+            ms[COMPILED] += event.self_cpu_time_total / 1e3
+            calls[COMPILED] += event.name.startswith("## Call")
+            continue
+        cls = op_class(event.name)
+        ms[cls] += event.cpu_time_total / 1e3
+        calls[cls] += 1
     return len(decode), sum(e.cpu_time_total for e in decode) / 1e3, ms, calls
 
 
@@ -311,8 +380,7 @@ def profile_figure(profiles: list[StepProfile], *, title: str | None = None):
     from ..plots import PALETTE, figure
     fig = figure(title or "Where a decode step's time goes (B = 1), by operator class",
                  "milliseconds per decode step (under the profiler)", "", height=340)
-    classes = [*OP_CLASSES, OTHER, PYTHON]
-    for i, cls in enumerate(classes):
+    for i, cls in enumerate(CLASSES):
         fig.add_bar(y=[p.label for p in profiles], x=[p.ms_per_step[cls] for p in profiles], orientation="h",
                     name=cls, marker_color=PALETTE[i % len(PALETTE)],
                     hovertemplate=[f"{cls}: %{{x:.2f}} ms, {p.calls_per_step[cls]:.0f} calls/step<extra></extra>"
