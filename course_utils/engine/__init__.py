@@ -3,7 +3,8 @@
 Read it in this order: ``sequence.py`` (a request), ``block_manager.py`` (the paged
 cache's allocator), ``scheduler.py`` (who runs each step, and what happens to its
 results), ``model_runner.py`` (the model over the paged pool), ``engine.py`` (the glue).
-``packed.py`` holds the fast paths, a switch (``RunnerWeights.from_model(..., pack="int8")``);
+``packed.py`` holds the fast paths, a switch (``RunnerWeights.from_model(..., pack="int8")``), and
+``compiled.py`` the decode step compiled by ``torch.compile`` (``pack="compiled"``);
 ``speed.py`` measures every path against its floors, with its quality, and profiles a step by operator class.
 Its exactness is checked against transformers' ``generate`` with
 :mod:`course_utils.reference`.

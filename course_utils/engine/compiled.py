@@ -42,8 +42,11 @@ import torch
 import torch.nn.functional as F
 
 
-def check_compiler() -> str:
-    """The C++ compiler inductor would use; a ``ValueError`` if there is none (or no inductor)."""
+def check_compiler(device="cpu") -> str:
+    """The C++ compiler inductor would use; a ``ValueError`` if there is none (or no inductor), or if ``device`` is
+    neither a CPU nor a CUDA GPU (inductor's other back-ends are not what this path was built and tested on)."""
+    if torch.device(device).type not in ("cpu", "cuda"):
+        raise ValueError(f"pack='compiled' runs on a CPU or a CUDA GPU, not on {device}; use pack='none'")
     try:
         from torch._inductor import cpp_builder
         cxx = cpp_builder.get_cpp_compiler()
@@ -59,26 +62,33 @@ def release_compiled() -> None:
     torch._dynamo.reset()
 
 
-@torch.library.custom_op("course::paged_decode_attention", mutates_args=())
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
-                           v_pool: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
+                           v_pool: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
                            bias: torch.Tensor) -> torch.Tensor:
     """One layer's decode attention over the paged pool, as one operator the compiled graph calls (its gather is
     PyTorch's block copy, not a generated loop): q (S, n_kv, g, hd), this step's k and v (S, n_kv, hd), the
-    layer's pools (slots, n_kv, hd), tables (S, W), positions (S,), bias (S, 1, 1, W * block_size)."""
+    layer's pools (slots, n_kv, hd), tables (S, W), ``rows`` (S,) the row of each new token in the gathered
+    (S * W * block_size) context, bias (S, 1, 1, W * block_size)."""
     S, W = tables.shape
     n_kv, hd = k.shape[1], k.shape[2]
     C = bias.shape[-1]
-    rows = torch.arange(S, device=q.device)
-    keys = k_pool.view(-1, C // W * n_kv * hd).index_select(0, tables.reshape(-1)).view(S, C, n_kv, hd)
-    values = v_pool.view(-1, C // W * n_kv * hd).index_select(0, tables.reshape(-1)).view(S, C, n_kv, hd)
-    keys[rows, positions] = k                       # this step's key and value, in the gathered copy only
-    values[rows, positions] = v
-    return F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=bias)
+    flat = tables.reshape(-1)
+    keys = k_pool.view(-1, C // W * n_kv * hd).index_select(0, flat).view(S * C, n_kv, hd).index_copy_(0, rows, k)
+    values = v_pool.view(-1, C // W * n_kv * hd).index_select(0, flat).view(S * C, n_kv, hd).index_copy_(0, rows, v)
+    return F.scaled_dot_product_attention(q, keys.view(S, C, n_kv, hd).transpose(1, 2),
+                                          values.view(S, C, n_kv, hd).transpose(1, 2), attn_mask=bias)
 
 
-@paged_decode_attention.register_fake
-def _(q, k, v, k_pool, v_pool, tables, positions, bias):
+# Registered as a plain operator (a schema and a kernel for every device), which costs less per call than a
+# ``torch.library.custom_op`` wrapper; the fake kernel tells the compiler its output's shape.
+_LIB = torch.library.Library("course", "DEF")
+_LIB.define("paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_pool, Tensor v_pool, Tensor tables, "
+            "Tensor rows, Tensor bias) -> Tensor")
+_LIB.impl("paged_decode_attention", paged_decode_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("course::paged_decode_attention", lib=_LIB)
+def _(q, k, v, k_pool, v_pool, tables, rows, bias):
     return torch.empty_like(q)
 
 
@@ -125,6 +135,7 @@ class DecodeStep(torch.nn.Module):
         allowed = torch.arange(C, device=ids.device)[None, :] <= positions[:, None]        # (S, C)
         bias = torch.zeros(S, 1, 1, C, dtype=h.dtype, device=ids.device).masked_fill(
             ~allowed[:, None, None], torch.finfo(h.dtype).min)
+        rows = torch.arange(S, device=ids.device) * C + positions           # each new token's row in its context
         n_qk = (H + KV) * hd
         new_k, new_v = [], []
         for i, w in enumerate(self.layers):
@@ -134,7 +145,7 @@ class DecodeStep(torch.nn.Module):
             k, v = qk[:, H:], qkv[:, n_qk:].view(S, KV, hd)
             q = qk[:, :H].reshape(S, KV, H // KV, hd)
             attn = torch.ops.course.paged_decode_attention(q, k.contiguous(), v.contiguous(), k_pool[i], v_pool[i],
-                                                           tables, positions, bias).reshape(S, H * hd)
+                                                           tables, rows, bias).reshape(S, H * hd)
             h = h + F.linear(attn, w.w_o, w.b_o)
             gate, up = F.linear(self._norm(h, w.post_norm), w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
             h = h + F.linear(self.act(gate) * up, w.w_down, w.b_down)
@@ -147,7 +158,7 @@ class CompiledDecode:
     """The runner's decode steps through a compiled :class:`DecodeStep` (see the module's docstring)."""
 
     def __init__(self, runner, batch_sizes=(1, 16)):
-        check_compiler()
+        check_compiler(runner.device)
         self.runner = runner
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.module = DecodeStep(runner).eval()

@@ -111,7 +111,7 @@ def available_paths(device="cpu", paths=PATHS) -> list[tuple[str, str, str]]:
                 linear(x, prepack_matrix(w.to(torch.bfloat16)))
             elif pack == "compiled":
                 from .compiled import check_compiler
-                check_compiler()
+                check_compiler(device)
             elif pack != "none":
                 linear(x, pack_matrix(w, pack, getattr(torch, dtype)))
         except (ValueError, RuntimeError, NotImplementedError):
