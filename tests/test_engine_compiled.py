@@ -88,3 +88,9 @@ def test_the_shapes_a_step_is_padded_to():
     assert c.shape_for(8, 17) == (8, 32)
     assert c.shape_for(8, 39) == (8, 40)          # never more blocks than the pool has
     assert c.shape_for(9, 3) == (9, 4)            # more rows than the largest size: its own shape
+
+
+def test_other_devices_are_refused_with_a_clear_error():
+    with pytest.raises(ValueError, match="CPU or a CUDA GPU"):
+        C.check_compiler("mps")
+    assert S.available_paths("meta", [("c", "float32", "compiled")]) == []

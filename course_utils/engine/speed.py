@@ -76,7 +76,7 @@ OP_CLASSES = {
                         "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm"),
     "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::_scaled_dot_product_attention_math", "aten::_softmax", "aten::softmax", "aten::bmm",
-                  "aten::baddbmm"),
+                  "aten::baddbmm", "course::paged_decode_attention"),
     "paged cache (write, gather)": ("aten::index_copy_", "aten::index_select"),
     "element-wise (norms, rotary, activation, residual)": (
         "aten::mul", "aten::add", "aten::add_", "aten::pow", "aten::mean", "aten::rsqrt", "aten::sum", "aten::div_",
