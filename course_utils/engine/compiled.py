@@ -4,15 +4,15 @@ A decode step of the eager runner is some 40 PyTorch calls per layer around its 
 rotary embedding, cache writes and reads, attention, activation, residuals -- each a small tensor, each a trip
 through Python and PyTorch's dispatcher. Chapter 11's profile shows that remainder costs several milliseconds a
 step whatever the weights. Compiling the whole step (every layer and the LM head) with PyTorch's inductor turns
-it into one call: the weights are *frozen* (treated as constants and stored once in oneDNN's layout, what
-``pack="onednn"`` does by hand), and the element-wise work between the products is fused into a few generated
+it into one call: the weights are *frozen* (treated as constants and stored in oneDNN's layout when the graph is
+compiled, what ``pack="onednn"`` does by hand), and the element-wise work between the products is fused into a few generated
 C++ loops.
 
 What it takes, and what this module changes for it:
 
 * **Fixed shapes.** A compiled graph is specialised to its input shapes; a new shape compiles again (tens of
-  seconds for this model). The batch is padded up to one of ``batch_sizes`` (a padded row costs little: a decode
-  step's products are limited by reading the weights, not by the rows) and each sequence's block table up to a
+  seconds for this model). The batch is padded up to one of ``batch_sizes`` (a padded row is computed and thrown
+  away: some work traded for not compiling every batch size) and each sequence's block table up to a
   power of two of blocks, with the positions past a sequence's own context masked out. Each (batch, blocks) pair
   compiles once, the first time it is met: :attr:`CompiledDecode.compile_s` records how long each took.
 * **No writes into the pool inside the graph.** Writing into a slice of a big tensor inside a compiled graph
@@ -159,6 +159,8 @@ class CompiledDecode:
 
     def __init__(self, runner, batch_sizes=(1, 16)):
         check_compiler(runner.device)
+        import torch._inductor.config as inductor_config
+        self._inductor_config = inductor_config
         self.runner = runner
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.module = DecodeStep(runner).eval()
@@ -183,8 +185,7 @@ class CompiledDecode:
         tables[:S, :used] = inp.block_tables
         first = (Sb, W) not in self.compile_s
         t0 = time.perf_counter()
-        import torch._inductor.config as inductor_config
-        with inductor_config.patch(freezing=True):       # weights as constants, stored once in oneDNN's layout
+        with self._inductor_config.patch(freezing=True):   # weights as constants, in oneDNN's layout, per graph
             logits, new_k, new_v = self.step(ids, positions, tables, r.k_pool, r.v_pool)
         if first:
             self.compile_s[(Sb, W)] = time.perf_counter() - t0
