@@ -56,8 +56,8 @@ LEVERS = {"bfloat16": ("float32", "bfloat16 weights and activations (half the by
 
 
 def ablation(figures) -> list[tuple["PathFigures", "PathFigures", str]]:
-    """(path, the measured path it builds on, the lever) for each of ``figures`` whose base was measured too; a
-    path whose base was not measured builds on the nearest measured path before it in :data:`PATHS` order."""
+    """(path, the measured path it builds on, the lever) for each of ``figures`` but the first: a path whose base was
+    not measured is compared with its base's base (and so on), else with the path measured just before it."""
     by_label = {f.label: f for f in figures}
     out = []
     for i, f in enumerate(figures):
