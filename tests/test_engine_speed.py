@@ -125,3 +125,17 @@ def test_packing_a_matrix_slice_by_slice_changes_nothing(monkeypatch, kind):
 def test_the_exact_bf16_packing_is_read_from_the_paths_given():
     assert S.fastest_exact_bf16(S.PATHS) == "onednn"
     assert S.fastest_exact_bf16([p for p in S.PATHS if p[2] != "onednn"]) == "none"
+
+
+def test_each_lever_is_measured_against_the_path_it_builds_on():
+    def fig(label):
+        return S.PathFigures(label, "bfloat16", "none", 1.0, 1.0, 1, 1, 1.0)
+    assert set(S.LEVERS) == {label for label, _, _ in S.PATHS[1:]}
+    figs = [fig(label) for label, _, _ in S.PATHS]
+    pairs = {f.label: base.label for f, base, _ in S.ablation(figs)}
+    assert pairs["int8 weights, bf16 activations"] == "bfloat16, oneDNN-prepacked"     # not the compiled row before it
+    assert pairs["bfloat16, compiled decode step"] == "bfloat16, oneDNN-prepacked"
+    without = [f for f in figs if f.label != "bfloat16, oneDNN-prepacked"]
+    pairs = {f.label: base.label for f, base, _ in S.ablation(without)}
+    assert pairs["int8 weights, bf16 activations"] == "bfloat16"                      # the base's base
+    assert len(S.ablation(figs[:1])) == 0
