@@ -422,7 +422,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: PyTorch's choice)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt blocks")
     parser.add_argument("--dtype", default="float32", help="what the engine computes in (float32, bfloat16)")
-    parser.add_argument("--pack", default="none", choices=["none", "onednn", "int8", "int4", "compiled"],
+    from .engine.packed import PACKINGS
+    parser.add_argument("--pack", default="none", choices=PACKINGS,
                         help="the engine's fast path (default: none, the dense path)")
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process is gone")
     args = parser.parse_args(argv)

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from ..engine.speed import CLASSES, PYTHON, ablation, available_paths, fastest_bf16, fastest_exact_bf16, measure_path
+from ..engine.speed import BF16_WEIGHT_PACKS, CLASSES, PYTHON, ablation, available_paths, fastest_bf16, fastest_exact_bf16, measure_path
 from ..prompts import book_prompts, book_split, token_ids
 from . import Row
 
@@ -58,7 +58,7 @@ def rows(ctx):
             f"({f.positions} held-out positions)")
         yield Row(_SECTION, f"engine decode, B = 1, {label}", f.step_s * 1e3, "ms/token",
                   note=f"{mb:,.0f} MB of weights per step; {q}; {features}")
-        target = "<= 1.3x" if pack in ("none", "onednn", "compiled") and dtype == "bfloat16" else None
+        target = "<= 1.3x" if pack in BF16_WEIGHT_PACKS and dtype == "bfloat16" else None
         yield Row(_SECTION, f"engine step / matrix-product floor, B = 1, {label}", f.over_floor, "x", target,
                   None if target is None else f.over_floor <= 1.3,
                   note=f"the same matrices, one row each, timed in turns with the steps: {f.floor_s * 1e3:.1f} ms; "

@@ -270,12 +270,7 @@ class ModelRunner:
         """Logits at every position of one sequence, (len, vocab) in float32, from one prefill through the pool:
         what the engine computes there, for measuring a fast path's quality (chapter 07's KL divergence).
         It writes the pool's first blocks: call it on a runner that holds no live sequence."""
-        n_blocks = -(-len(token_ids) // self.block_size)
-        if not token_ids or n_blocks > self.num_blocks or len(token_ids) > self.max_positions:
-            raise ValueError(f"need 1 to {min(self.num_blocks * self.block_size, self.max_positions)} tokens, "
-                             f"got {len(token_ids)}")
-        seq = Sequence(0, list(token_ids), 1, block_size=self.block_size)
-        seq.block_table = list(range(n_blocks))
+        seq = self._sequence_at_pool_start(token_ids, token_ids, 1)
         inp = self.prepare([seq], is_prefill=True)
         inp.last_rows = torch.arange(len(token_ids), device=self.device)
         return self.forward(inp).float()
@@ -286,17 +281,22 @@ class ModelRunner:
         token and each next one from a decode step fed the sequence's next token: what the engine's decode steps
         compute (on ``pack="compiled"`` a different computation from :meth:`sequence_logits`' prefill). Writes the
         pool's first blocks, like :meth:`sequence_logits`."""
-        n_blocks = -(-len(token_ids) // self.block_size)
-        if not token_ids or n_blocks > self.num_blocks or len(token_ids) > self.max_positions:
-            raise ValueError(f"need 1 to {min(self.num_blocks * self.block_size, self.max_positions)} tokens, "
-                             f"got {len(token_ids)}")
-        seq = Sequence(0, [token_ids[0]], len(token_ids), block_size=self.block_size, ignore_eos=True)
-        seq.block_table = list(range(n_blocks))
+        seq = self._sequence_at_pool_start(token_ids, token_ids[:1], len(token_ids))
         out = [self.forward(self.prepare([seq], is_prefill=True)).float()]
         for t in token_ids[1:]:
             seq.append(t)
             out.append(self.forward(self.prepare([seq], is_prefill=False)).float())
         return torch.cat(out)
+
+    def _sequence_at_pool_start(self, token_ids: list[int], prompt: list[int], max_tokens: int) -> Sequence:
+        """A sequence holding ``prompt`` whose block table is the pool's first blocks, room for all of ``token_ids``."""
+        n_blocks = -(-len(token_ids) // self.block_size)
+        if not token_ids or n_blocks > self.num_blocks or len(token_ids) > self.max_positions:
+            raise ValueError(f"need 1 to {min(self.num_blocks * self.block_size, self.max_positions)} tokens, "
+                             f"got {len(token_ids)}")
+        seq = Sequence(0, list(prompt), max_tokens, block_size=self.block_size, ignore_eos=True)
+        seq.block_table = list(range(n_blocks))
+        return seq
 
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step: the greedy next token of every sequence."""

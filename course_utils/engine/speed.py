@@ -128,10 +128,14 @@ def fastest_exact_bf16(paths) -> str:
     return "onednn" if "onednn" in packs else "none"
 
 
+#: The packings that keep every bfloat16 weight (the paths the 1.3x floor target is set for).
+BF16_WEIGHT_PACKS = ("none", "onednn", "compiled")
+
+
 def fastest_bf16(figures) -> "PathFigures":
     """Of measured ``figures``, the bfloat16 path that keeps every weight (dense, oneDNN, compiled) with the
     quickest B = 1 step in this run."""
-    keep = [f for f in figures if f.dtype == "bfloat16" and f.pack in ("none", "onednn", "compiled")]
+    keep = [f for f in figures if f.dtype == "bfloat16" and f.pack in BF16_WEIGHT_PACKS]
     if not keep:
         raise ValueError("no bfloat16 path with unquantized weights among the figures")
     return min(keep, key=lambda f: f.step_s)
