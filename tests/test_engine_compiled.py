@@ -94,3 +94,29 @@ def test_other_devices_are_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="CPU or a CUDA GPU"):
         C.check_compiler("mps")
     assert S.available_paths("meta", [("c", "float32", "compiled")]) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_decode_attention_is_attention_over_each_sequences_blocks(dtype):
+    """The compiled step's attention, run eagerly: the same as scaled_dot_product_attention over each sequence's
+    context gathered in block order with this step's key and value put in, positions past it masked."""
+    g = torch.Generator().manual_seed(0)
+    S, W, bs, n_kv, grp, hd, slots = 3, 4, 4, 2, 2, 8, 64
+    k_pool, v_pool = (torch.randn(slots, n_kv, hd, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(S, n_kv, grp, hd, generator=g).to(dtype)
+    k, v = (torch.randn(S, n_kv, hd, generator=g).to(dtype) for _ in range(2))
+    tables = torch.stack([torch.randperm(slots // bs, generator=g)[:W] for _ in range(S)])
+    positions = torch.tensor([0, 6, 15])
+    C_ = W * bs
+    bias = torch.zeros(S, C_, dtype=dtype).masked_fill(torch.arange(C_)[None] > positions[:, None],
+                                                       torch.finfo(dtype).min)
+    out = C.paged_decode_attention(q, k, v, k_pool, v_pool, tables, positions, bias)
+    for s in range(S):
+        slot_ids = (tables[s][:, None] * bs + torch.arange(bs)).reshape(-1)
+        keys, values = k_pool[slot_ids].clone(), v_pool[slot_ids].clone()
+        keys[positions[s]], values[positions[s]] = k[s], v[s]
+        n = int(positions[s]) + 1                                      # only the context up to this token
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[s].float(), keys[:n].float().transpose(0, 1), values[:n].float().transpose(0, 1))
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out[s].float(), ref.reshape(-1), **tol)

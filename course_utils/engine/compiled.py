@@ -19,11 +19,17 @@ What it takes, and what this module changes for it:
   makes inductor copy the tensor; so the step inserts each new key and value into its own gathered copy of the
   context for attention, returns them, and the runner stores all layers' new keys and values after the step, in
   one indexed write per pool.
-* **Attention as one operator.** Each layer's decode attention -- gather the sequence's blocks, put this step's
-  key and value in, ``scaled_dot_product_attention`` -- is a custom operator (:func:`paged_decode_attention`)
-  that the graph calls as it is: inductor would otherwise generate its own indexed loops for the gather,
-  slower than PyTorch's block copy, the more so the larger the batch. It is where a paged-attention kernel that
-  reads the blocks in place would go.
+* **Attention written as products and sums.** Each layer's decode attention is plain tensor code
+  (:func:`paged_decode_attention`): the sequence's blocks looked up through its block table, this step's key and
+  value put in at its position, scores as element-wise products summed over the head dimension, a masked
+  softmax, the values' weighted sum. Inductor fuses that into a few loops that read the blocks of the pool where
+  they lie, so no copy of each sequence's context is made for attention. Calling ``scaled_dot_product_attention``
+  from the graph instead (after a gather) was slower at this size: chapter 11 and the benchmark measure the step.
+* **Fewer guards.** Before each call ``torch.compile`` checks that what the graph was compiled for still holds
+  (its *guards*): the inputs' shapes and dtypes, and the identity of every weight the module holds. The layers'
+  weights are frozen into the graph and a :class:`DecodeStep` never changes them, so their guards are left out
+  (:func:`_guard_filter`); the input and global-state guards stay, and so does the identity of the module's
+  embedding and norm weights, which tells one runner's compiled step from another's.
 * **torch.compile's cache.** Compiled graphs, each with its frozen copy of the weights, stay in
   ``torch.compile``'s cache after their runner is gone, until :func:`release_compiled` empties it.
 * **A C++ compiler.** Inductor generates C++ for the CPU (``g++``, ``clang++``); where none is found the path is
@@ -63,33 +69,29 @@ def release_compiled() -> None:
 
 
 def paged_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
-                           v_pool: torch.Tensor, tables: torch.Tensor, rows: torch.Tensor,
+                           v_pool: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor,
                            bias: torch.Tensor) -> torch.Tensor:
-    """One layer's decode attention over the paged pool, as one operator the compiled graph calls (its gather is
-    PyTorch's block copy, not a generated loop): q (S, n_kv, g, hd), this step's k and v (S, n_kv, hd), the
-    layer's pools (slots, n_kv, hd), tables (S, W), ``rows`` (S,) the row of each new token in the gathered
-    (S * W * block_size) context, bias (S, 1, 1, W * block_size)."""
+    """One layer's decode attention over the paged pool, in float32, written for inductor to fuse (see the module's
+    docstring): q (S, n_kv, g, hd), this step's k and v (S, n_kv, hd), the layer's pools (slots, n_kv, hd),
+    tables (S, W) block ids, positions (S,) each new token's position, bias (S, C) 0 where a position may be
+    attended to, the dtype's minimum where not, C = W * block_size. Returns (S, n_kv * g * hd) in q's dtype."""
     S, W = tables.shape
-    n_kv, hd = k.shape[1], k.shape[2]
+    n_kv, g, hd = q.shape[1], q.shape[2], q.shape[3]
     C = bias.shape[-1]
-    flat = tables.reshape(-1)
-    keys = k_pool.view(-1, C // W * n_kv * hd).index_select(0, flat).view(S * C, n_kv, hd).index_copy_(0, rows, k)
-    values = v_pool.view(-1, C // W * n_kv * hd).index_select(0, flat).view(S * C, n_kv, hd).index_copy_(0, rows, v)
-    return F.scaled_dot_product_attention(q, keys.view(S, C, n_kv, hd).transpose(1, 2),
-                                          values.view(S, C, n_kv, hd).transpose(1, 2), attn_mask=bias)
+    is_new = (torch.arange(C, device=q.device)[None, :] == positions[:, None])[:, :, None, None]      # (S, C, 1, 1)
+
+    def context(pool, new):                             # (S, C, n_kv, hd): the blocks in order, this step's row put in
+        blocks = pool.view(-1, C // W, n_kv, hd)[tables.reshape(-1)].view(S, C, n_kv, hd)
+        return torch.where(is_new, new[:, None], blocks).float()
+    scores = (q.float().view(S, 1, n_kv, g, hd) * context(k_pool, k).view(S, C, n_kv, 1, hd)).sum(-1)
+    p = (scores * hd ** -0.5 + bias.float().view(S, C, 1, 1)).softmax(dim=1)                  # (S, C, n_kv, g)
+    out = (p[..., None] * context(v_pool, v).view(S, C, n_kv, 1, hd)).sum(1)                  # (S, n_kv, g, hd)
+    return out.to(q.dtype).reshape(S, n_kv * g * hd)
 
 
-# Registered as a plain operator (a schema and a kernel for every device), which costs less per call than a
-# ``torch.library.custom_op`` wrapper; the fake kernel tells the compiler its output's shape.
-_LIB = torch.library.Library("course", "DEF")
-_LIB.define("paged_decode_attention(Tensor q, Tensor k, Tensor v, Tensor k_pool, Tensor v_pool, Tensor tables, "
-            "Tensor rows, Tensor bias) -> Tensor")
-_LIB.impl("paged_decode_attention", paged_decode_attention, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("course::paged_decode_attention", lib=_LIB)
-def _(q, k, v, k_pool, v_pool, tables, rows, bias):
-    return torch.empty_like(q)
+def _guard_filter(entries) -> list[bool]:
+    """Keep every guard but those on the layers' weights (see the module's docstring)."""
+    return [not e.name.startswith("self._modules['layers']") for e in entries]
 
 
 def _bucket(n: int, sizes) -> int:
@@ -99,8 +101,10 @@ def _bucket(n: int, sizes) -> int:
 class DecodeStep(torch.nn.Module):
     """One decode step of every layer and the LM head, as plain tensor code for inductor to compile.
 
-    Inputs: ``ids``, ``positions`` (S,), ``tables`` (S, W) block ids, and the pools; returns the logits (S, vocab)
-    and the new keys and values of every layer, (layers, S, n_kv_heads, head_dim) each."""
+    Inputs: ``ids``, ``positions`` (S,), ``tables`` (S, W) block ids, and the pools; returns the logits (S, vocab),
+    their greedy tokens (S,) (the argmax fused into the graph: on the logits' 49k entries PyTorch's own bfloat16
+    argmax alone took ~0.2 ms here) and the new keys and values of every layer, (layers, S, n_kv_heads, head_dim)
+    each."""
 
     def __init__(self, runner):
         super().__init__()
@@ -131,9 +135,7 @@ class DecodeStep(torch.nn.Module):
         h = F.embedding(ids, self.embed)
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
         allowed = torch.arange(C, device=ids.device)[None, :] <= positions[:, None]        # (S, C)
-        bias = torch.zeros(S, 1, 1, C, dtype=h.dtype, device=ids.device).masked_fill(
-            ~allowed[:, None, None], torch.finfo(h.dtype).min)
-        rows = torch.arange(S, device=ids.device) * C + positions           # each new token's row in its context
+        bias = torch.zeros(S, C, dtype=h.dtype, device=ids.device).masked_fill(~allowed, torch.finfo(h.dtype).min)
         n_qk = (H + KV) * hd
         new_k, new_v = [], []
         for i, w in enumerate(self.layers):
@@ -142,14 +144,14 @@ class DecodeStep(torch.nn.Module):
             qk = qk * cos + qk.roll(hd // 2, dims=-1) * sin
             k, v = qk[:, H:], qkv[:, n_qk:].view(S, KV, hd)
             q = qk[:, :H].reshape(S, KV, H // KV, hd)
-            attn = torch.ops.course.paged_decode_attention(q, k.contiguous(), v.contiguous(), k_pool[i], v_pool[i],
-                                                           tables, rows, bias).reshape(S, H * hd)
+            attn = paged_decode_attention(q, k, v, k_pool[i], v_pool[i], tables, positions, bias)
             h = h + F.linear(attn, w.w_o, w.b_o)
             gate, up = F.linear(self._norm(h, w.post_norm), w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
             h = h + F.linear(self.act(gate) * up, w.w_down, w.b_down)
             new_k.append(k)
             new_v.append(v)
-        return F.linear(self._norm(h, self.final_norm), self.lm_head), torch.stack(new_k), torch.stack(new_v)
+        logits = F.linear(self._norm(h, self.final_norm), self.lm_head)
+        return logits, logits.argmax(dim=-1), torch.stack(new_k), torch.stack(new_v)
 
 
 class CompiledDecode:
@@ -162,7 +164,8 @@ class CompiledDecode:
         self.runner = runner
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.module = DecodeStep(runner).eval()
-        self.step = torch.compile(self.module, dynamic=False, fullgraph=True)
+        self.step = torch.compile(self.module, dynamic=False, fullgraph=True,
+                                  options={"guard_filter_fn": _guard_filter})
         self.compile_s: dict[tuple[int, int], float] = {}     # (padded batch, blocks) -> seconds its first call took
 
     def shape_for(self, batch: int, blocks: int) -> tuple[int, int]:
@@ -171,7 +174,8 @@ class CompiledDecode:
         return _bucket(batch, self.batch_sizes), min(max_blocks, 1 << max(2, (blocks - 1).bit_length()))
 
     @torch.no_grad()
-    def __call__(self, inp) -> torch.Tensor:
+    def __call__(self, inp) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step of ``inp``'s sequences: their logits (S, vocab) and greedy next tokens (S,)."""
         r = self.runner
         S, used = inp.block_tables.shape
         Sb, W = self.shape_for(S, used)
@@ -184,9 +188,9 @@ class CompiledDecode:
         first = (Sb, W) not in self.compile_s
         t0 = time.perf_counter()
         with self._inductor_config.patch(freezing=True):   # weights as constants, in oneDNN's layout, per graph
-            logits, new_k, new_v = self.step(ids, positions, tables, r.k_pool, r.v_pool)
+            logits, tokens, new_k, new_v = self.step(ids, positions, tables, r.k_pool, r.v_pool)
         if first:
             self.compile_s[(Sb, W)] = time.perf_counter() - t0
         r.k_pool.index_copy_(1, inp.write_slots, new_k[:, :S])     # every layer's new keys in one write
         r.v_pool.index_copy_(1, inp.write_slots, new_v[:, :S])
-        return logits[:S]
+        return logits[:S], tokens[:S]

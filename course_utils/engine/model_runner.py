@@ -256,8 +256,8 @@ class ModelRunner:
     @torch.no_grad()
     def forward(self, inp: StepInput) -> torch.Tensor:
         """Logits of each sequence's last new token, (S, vocab)."""
-        if self.compiled is not None and inp.pad_index is None and inp.write_rows is None:
-            return self.compiled(inp)                         # a decode step, every token new: the compiled path
+        if self._runs_compiled(inp):
+            return self.compiled(inp)[0]
         h = F.embedding(inp.input_ids, self.embed)
         cos, sin = self.cos[inp.positions][:, None], self.sin[inp.positions][:, None]
         for i in range(len(self.layers)):
@@ -298,6 +298,13 @@ class ModelRunner:
         seq.block_table = list(range(n_blocks))
         return seq
 
+    def _runs_compiled(self, inp: StepInput) -> bool:
+        """Whether this step goes through the compiled step: a decode step, every token new (pack="compiled")."""
+        return self.compiled is not None and inp.pad_index is None and inp.write_rows is None
+
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One step: the greedy next token of every sequence."""
-        return self.forward(self.prepare(seqs, is_prefill)).argmax(dim=-1).tolist()
+        inp = self.prepare(seqs, is_prefill)
+        if self._runs_compiled(inp):
+            return self.compiled(inp)[1].tolist()            # its argmax is part of the compiled graph
+        return self.forward(inp).argmax(dim=-1).tolist()

@@ -4,9 +4,9 @@ A *path* is one way of running the same model: the dense float32 path chapter 04
 fast paths of :mod:`.packed` (bfloat16 in oneDNN's layout; weight-only int8 and int4 kernels). For each,
 :func:`measure_path` times
 
-* the decode step at B = 1, in rounds that alternate with the **matrix-product floor**: the same matrices, each
-  multiplied once by a one-row input, back to back, nothing else -- what the step would cost if everything
-  between the products were free (both clocks in one run, side by side);
+* the decode step at B = 1, each step followed by one pass of the **matrix-product floor**: the same matrices,
+  each multiplied once by a one-row input, back to back, nothing else -- what the step would cost if everything
+  between the products were free (both clocks in one run, a step apart: :func:`paired_steps`);
 * the decode step at a larger batch (tokens per second);
 * its **quality**: the KL divergence of its next-token distributions from the float32 path's on held-out text,
   with the share of positions where the top token is the same (chapter 07's statistics), from the engine's
@@ -76,7 +76,7 @@ OP_CLASSES = {
                         "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm"),
     "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::_scaled_dot_product_attention_math", "aten::_softmax", "aten::softmax", "aten::bmm",
-                  "aten::baddbmm", "course::paged_decode_attention"),
+                  "aten::baddbmm"),
     "paged cache (write, gather)": ("aten::index_copy_", "aten::index_select"),
     "element-wise (norms, rotary, activation, residual)": (
         "aten::mul", "aten::add", "aten::add_", "aten::pow", "aten::mean", "aten::rsqrt", "aten::sum", "aten::div_",
@@ -90,7 +90,7 @@ OP_CLASSES = {
         "aten::alias", "aten::_reshape_alias", "aten::contiguous", "aten::clone", "aten::resize_", "aten::lift_fresh",
         "aten::index", "aten::zeros", "aten::new_zeros", "aten::new_empty"),
 }
-COMPILED = "compiled graph's own code (fused element-wise loops, guards, wrapper)"
+COMPILED = "compiled graph's own code (fused loops: attention, norms, rotary, activation; guards, wrapper)"
 OTHER = "everything else (argmax, step set-up)"
 PYTHON = "Python between operators"
 #: Every class a :class:`StepProfile` reports, in order.
@@ -164,6 +164,23 @@ def decode_steps(engine: LLMEngine, prompts: list, new_tokens: int) -> list[floa
     return [s.end_s - s.start_s for s in engine.steps[first:] if not s.is_prefill]
 
 
+def paired_steps(engine: LLMEngine, prompt: list, new_tokens: int, floor) -> tuple[list[float], list[float]]:
+    """Run one request to the end (``ignore_eos``), timing one call of ``floor`` right after each decode step: the
+    seconds of each decode step and of the floor pass beside it (the prefill step left out). Step and floor take
+    turns a step apart, so a machine whose speed drifts (another program, a virtual machine's neighbours) slows
+    both alike."""
+    engine.add_request(prompt, new_tokens, ignore_eos=True)
+    steps, floors = [], []
+    while engine.has_unfinished():
+        engine.step()
+        if not engine.steps[-1].is_prefill:
+            steps.append(engine.steps[-1].end_s - engine.steps[-1].start_s)
+            t0 = time.perf_counter()
+            floor()
+            floors.append(time.perf_counter() - t0)
+    return steps, floors
+
+
 def matrix_pass(runner):
     """A function that multiplies every matrix of one decode step once by a one-row input, as the step does (a
     compiled step multiplies them in oneDNN's layout, where this build has it: so does its floor)."""
@@ -221,9 +238,9 @@ def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, hel
     """Measure one path (see the module's docstring); returns its figures and its log-probabilities on
     ``heldout_ids`` (pass the reference path's as ``reference_logp`` to the others).
 
-    ``prompts``: at least ``batch`` prompts (token-id lists); B = 1 runs the first. Each of ``rounds`` rounds times
-    ``new_tokens // 4`` matrix-product passes and one request of ``new_tokens`` tokens, in turns, after a
-    warm-up of each.
+    ``prompts``: at least ``batch`` prompts (token-id lists); B = 1 runs the first. Each of ``rounds`` rounds runs one request
+    of ``new_tokens`` tokens with a matrix-product pass after each decode step (:func:`paired_steps`), after a
+    warm-up of both.
     ``profile_tokens`` > 0: :func:`profile_decode` then profiles a B = 1 request of that many tokens on the same
     engine (``figures.profile``)."""
     check_positive_int("rounds", rounds)
@@ -248,14 +265,12 @@ def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, hel
                        positions=len(heldout_ids) - 1)
     floor = matrix_pass(one.runner)
     floor()
-    decode_steps(one, prompts[:1], min(new_tokens, 4))                          # warm-up
+    paired_steps(one, prompts[0], min(new_tokens, 4), floor)                     # warm-up
     floors, steps = [], []
-    for _ in range(rounds):                 # a pass per four steps: both medians cover the same stretch of time
-        for _ in range(max(1, new_tokens // 4)):
-            t0 = time.perf_counter()
-            floor()
-            floors.append(time.perf_counter() - t0)
-        steps += decode_steps(one, prompts[:1], new_tokens)
+    for _ in range(rounds):
+        st, fl = paired_steps(one, prompts[0], new_tokens, floor)
+        steps += st
+        floors += fl
     profiled = profile_decode(one, prompts[:1], profile_tokens, label=label) if profile_tokens else None
     many = path_engine(model, weights, batch, prompt_len, new_tokens)
     decode_steps(many, prompts[:batch], 2)                                       # warm-up
