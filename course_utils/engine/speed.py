@@ -238,9 +238,9 @@ def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, hel
     """Measure one path (see the module's docstring); returns its figures and its log-probabilities on
     ``heldout_ids`` (pass the reference path's as ``reference_logp`` to the others).
 
-    ``prompts``: at least ``batch`` prompts (token-id lists); B = 1 runs the first. Each of ``rounds`` rounds runs one request
-    of ``new_tokens`` tokens with a matrix-product pass after each decode step (:func:`paired_steps`), after a
-    warm-up of both.
+    ``prompts``: at least ``batch`` prompts (token-id lists); B = 1 runs the first. Each of ``rounds`` rounds
+    runs one request of ``new_tokens`` tokens with a matrix-product pass after each decode step
+    (:func:`paired_steps`), after a warm-up of both.
     ``profile_tokens`` > 0: :func:`profile_decode` then profiles a B = 1 request of that many tokens on the same
     engine (``figures.profile``)."""
     check_positive_int("rounds", rounds)
