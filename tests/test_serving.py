@@ -406,14 +406,19 @@ def test_the_client_agrees_with_vllm_bench_serve_live_check(vllm_server):
     course client's TTFT and TPOT medians within 15 % of vLLM's. The two clients run side by side, a half gap
     apart, so a busy moment of the machine hits both; which client's requests arrive first alternates from
     round to round (a request that arrives while the other client's is in flight waits for it), so neither
-    client is always the one that waits. 15 %: what two clients on a 2-core machine that also runs the server
-    agree to; a timing stamped at the wrong moment (before the request is sent, at the role-only first chunk,
-    after the whole body) is off by far more."""
+    client is always the one that waits. The rate keeps the server below what it can serve (the two clients
+    together send one request a second, each of 16 tokens): a server that falls behind makes every TTFT a
+    queueing time that grows through the round, and two clients' medians then depend on where in the queue each
+    one's requests happen to land, not on where each stamps its times (a CI run at twice this rate measured
+    974 vs 521 ms). 15 %: what two clients on a 2-core machine that also runs the server agree to; a timing
+    stamped at the wrong moment (before the request is sent, at the role-only first chunk, after the whole body)
+    is off by far more."""
     server, folder = vllm_server
-    n, input_len, output_len, rate = 16, 64, 16, 2.0
+    n, input_len, output_len, rate = 8, 64, 16, 0.5
     args = vllm_env.bench_serve_args(server.base_url, folder, "vllm", num_prompts=n, input_len=input_len,
                                      output_len=output_len, request_rate=rate, seed=0, num_warmups=0)
     ours, theirs = {"ttft": [], "tpot": []}, {"ttft": [], "tpot": []}
+    rounds = []
     with vllm_env.VllmBench(args) as bench:
         tr = make_trace(bench.prompts, [output_len] * n, rate_per_s=rate, process="fixed",
                         prompt_tokens=bench.prompt_lens)
@@ -430,9 +435,12 @@ def test_the_client_agrees_with_vllm_bench_serve_live_check(vllm_server):
             theirs["tpot"] += [sum(itl) / (m - 1) for itl, m in zip(result["itls"], result["output_lens"])]
             ours["ttft"] += [request_metrics(r).ttft_s for r in res.records]
             ours["tpot"] += [request_metrics(r).tpot_s for r in res.records]
+            rounds.append(f"round {round_} ({'vLLM' if vllm_first else 'course'} first): TTFT "
+                          f"{np.median(ours['ttft'][-n:]) * 1e3:.0f} vs {np.median(theirs['ttft'][-n:]) * 1e3:.0f} ms")
     for metric in ("ttft", "tpot"):
         a, b = float(np.median(ours[metric])), float(np.median(theirs[metric]))
-        assert abs(a - b) <= 0.15 * b, f"{metric} median: course client {a * 1e3:.1f} ms vs vllm bench serve {b * 1e3:.1f} ms"
+        assert abs(a - b) <= 0.15 * b, (f"{metric} median: course client {a * 1e3:.1f} ms vs vllm bench serve "
+                                        f"{b * 1e3:.1f} ms; " + "; ".join(rounds))
 
 
 def test_a_chapter_note_reaches_the_main_jobs_summary(tmp_path):
