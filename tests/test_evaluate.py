@@ -409,7 +409,9 @@ def test_a_2_bit_cache_raises_kld_above_the_8_bit_one(tiny_model):
     ref = E.record_reference(tiny_model, IDS, w)
     kld = {b: E.compare_to_reference(tiny_model, ref, cache_factory=lambda b=b: QuantizedKVCache(
         tiny_model.config, KVQuantSpec(b, group_size=8))).mean_kld[0] for b in (2, 8)}
-    assert 0 < kld[8] < kld[2]
+    # an 8-bit cache on a tiny random model moves the logits so little that its mean KLD can come out a rounding
+    # error below zero (a CI run: -1.0e-08): non-negative within float32 rounding, and well under the 2-bit one
+    assert kld[8] > -1e-6 and kld[2] > 0 and kld[8] < kld[2]
 
 
 def test_the_quantized_cache_refuses_sliding_window_models_and_bad_specs(tiny_llama):
