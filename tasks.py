@@ -85,8 +85,7 @@ def main(argv: list[str]) -> int:
     install(py)
     if command in ("run", "test", "setup"):
         setup_vllm()
-    env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), PYTHONUNBUFFERED="1",
-               OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))  # see course_utils/__init__.py
+    env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), PYTHONUNBUFFERED="1")
     if command == "setup":
         return 0
     module = {"run": ["-m", "course_utils.run_all"], "bench": ["-m", "course_utils.bench"],

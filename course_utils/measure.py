@@ -7,12 +7,14 @@
   sampled by a background thread while the call runs (portable: ``psutil``).
 * :func:`measure_bandwidth` -- bytes per second of a large read on this machine (the memory
   roof; :func:`bandwidth_samples_Bps` keeps every run, for the spread);
-* :func:`measure_matmul_flops` -- FLOP/s of a large matrix product (the compute roof).
+* :func:`measure_matmul_flops` -- FLOP/s of a large matrix product (the compute roof);
+* :func:`openmp_wait_policy` -- how idle worker threads wait, named beside every speed figure.
 """
 from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import statistics
 import sys
 import time
@@ -56,6 +58,16 @@ class Timing:
     def __str__(self) -> str:
         return (f"{self.median_s * 1e3:,.2f} ms median (min {self.min_s * 1e3:,.2f}, max {self.max_s * 1e3:,.2f}; "
                 f"{len(self.samples_s)} runs on {self.device})")
+
+
+def openmp_wait_policy() -> str:
+    """How PyTorch's idle CPU worker threads wait between parallel regions, as this process started them: the
+    ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` set in its environment, or the OpenMP runtime's default (spin a while,
+    then sleep). It moves speed figures a lot (``course_utils``'s docstring): name it beside them."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    spin = os.environ.get("GOMP_SPINCOUNT")
+    parts = ([f"OMP_WAIT_POLICY={policy}"] if policy else []) + ([f"GOMP_SPINCOUNT={spin}"] if spin else [])
+    return ", ".join(parts) if parts else "OpenMP's default wait policy"
 
 
 def synchronize(device) -> None:

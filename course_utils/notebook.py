@@ -53,15 +53,16 @@ def fmt_ms(seconds: float) -> str:
 
 def machine_summary(device=None) -> str:
     """What this run is measured on: CPU (with the vector instructions PyTorch uses: AVX2, AVX512, ...) or GPU,
-    threads, torch version. Kernel speeds depend on those instructions: compare ratios from one run."""
+    threads and how idle ones wait, torch version. Kernel speeds depend on those instructions: compare ratios from one run."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     if dev.type == "cuda":
         where = torch.cuda.get_device_name(dev)
     elif dev.type == "mps":
         where = f"Apple GPU (MPS) on {platform.machine()}"
     else:
+        from .measure import openmp_wait_policy
         where = (f"{platform.processor() or platform.machine()} CPU ({torch.backends.cpu.get_cpu_capability()}), "
-                 f"{torch.get_num_threads()} threads")
+                 f"{torch.get_num_threads()} threads, {openmp_wait_policy()}")
     return f"{where}; PyTorch {torch.__version__}; {platform.system()}"
 
 

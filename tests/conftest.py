@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # before torch loads its thread pool
 
 import pytest
 import torch

@@ -101,3 +101,15 @@ def test_steady_allocator_keeps_rss_close_to_the_memory_in_use():
             live.pop(random.randrange(len(live)))
         worst = max(worst, rss_bytes() - base - sum(t.numel() * 4 for t in live))
     assert worst < 50e6                            # glibc's default here: ~190 MB above what is in use
+
+
+def test_the_wait_policy_is_named_as_set(monkeypatch):
+    from course_utils.measure import openmp_wait_policy
+    from course_utils.notebook import machine_summary
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert openmp_wait_policy() == "OpenMP's default wait policy"
+    assert "OpenMP's default wait policy" in machine_summary("cpu")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
+    assert openmp_wait_policy() == "OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=1000"

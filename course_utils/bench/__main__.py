@@ -11,6 +11,7 @@ from dataclasses import asdict
 
 import torch
 
+from ..measure import openmp_wait_policy
 from . import SECTIONS, BenchContext, format_table, run
 
 
@@ -34,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         payload = {"machine": {"platform": platform.platform(), "processor": platform.processor(),
                                "torch": torch.__version__, "threads": torch.get_num_threads(),
                                "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                               "openmp_wait_policy": openmp_wait_policy(),
                                "device": args.device, "model": args.model,
                                "date": time.strftime("%Y-%m-%d %H:%M:%S")},
                    "rows": [asdict(r) for r in rows]}

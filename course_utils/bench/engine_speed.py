@@ -19,6 +19,7 @@ import time
 import torch
 
 from ..engine.speed import BF16_WEIGHT_PACKS, CLASSES, PYTHON, ablation, available_paths, fastest_bf16, fastest_exact_bf16, measure_path
+from ..measure import openmp_wait_policy
 from ..prompts import book_prompts, book_split, token_ids
 from . import Row
 
@@ -36,7 +37,7 @@ def _cpu_features() -> str:
         extra = [f for f in ("avx512_bf16", "amx_bf16", "amx_int8", "avx512_vnni", "avx_vnni") if f in flags]
     except (OSError, IndexError):
         extra = []
-    return f"PyTorch CPU capability {caps}" + (f"; {', '.join(extra)}" if extra else "")
+    return f"PyTorch CPU capability {caps}" + (f"; {', '.join(extra)}" if extra else "") + f"; {openmp_wait_policy()}"
 
 
 def rows(ctx):
