@@ -95,8 +95,15 @@ def test_a_slider_redraws_its_chart_in_jupyterlab(lab, browser, notebook, label)
         output.scroll_into_view_if_needed()
         chart = output.locator(".js-plotly-plot").first
         chart.wait_for(timeout=60_000)
+        # the chart's element appears first; its traces arrive with the widget's state a moment later
+        deadline = time.time() + 60
         before = plot_data(chart)
-        assert before not in ("[]", ""), "the chart has no data"
+        while before in ("[]", "") and time.time() < deadline:
+            time.sleep(0.25)
+            before = plot_data(chart)
+        if before in ("[]", ""):
+            shot = screenshot(page, f"lab_{Path(notebook).stem}_{label}_empty")
+            raise AssertionError(f"the chart has no data 60 s after it appeared (see {shot})")
         slider = output.locator(".widget-slider", has=page.locator(".widget-label", has_text=label)).first
         handle = slider.locator(".noUi-handle").first
         handle.focus()
