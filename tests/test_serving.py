@@ -492,6 +492,25 @@ def test_vllm_support_says_why_not(monkeypatch):
     assert vllm_env.vllm_support()
 
 
+def test_an_environment_made_on_purpose_runs_vllm_on_an_avx2_cpu(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(vllm_env.platform, "system", lambda: "Linux")
+    monkeypatch.setattr(vllm_env.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(vllm_env, "_total_memory_bytes", lambda: 24 * 2**30)
+    monkeypatch.setattr(vllm_env, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setenv("COURSE_VLLM_ENV", str(tmp_path / "vllm-env"))
+    monkeypatch.delenv("COURSE_VLLM", raising=False)
+    refused = vllm_env.vllm_available()
+    assert not refused and "AVX-512" in refused.reason and "vllm_env create" in refused.reason
+    assert "skipped" in vllm_env.ensure_env()              # the set-up step does not install it on such a CPU
+    assert vllm_env.vllm_support(allow_avx2=True)
+    monkeypatch.setattr(vllm_env, "env_ready", lambda env=None: True)       # as `vllm_env create` leaves it
+    assert vllm_env.vllm_available()
+    assert "up to date" in vllm_env.ensure_env()
+    monkeypatch.setattr(vllm_env, "_cpu_flags", lambda: {"sse4_2"})          # neither AVX-512 nor AVX2
+    assert not vllm_env.vllm_available() and "vllm_env create" not in vllm_env.vllm_available().reason
+    assert vllm_env.main(["create"]) == 1 and "cannot run here" in capsys.readouterr().out
+
+
 def test_the_set_up_step_skips_vllm_with_a_message(monkeypatch, capsys):
     monkeypatch.setenv("COURSE_VLLM", "0")
     assert "skipped (COURSE_VLLM=0)" in vllm_env.ensure_env()

@@ -7,12 +7,14 @@ decode step at B = 1 (ms per token) against the same matrices' product floor (ti
 bandwidth floor, the decode throughput at B = 16, and the quality it costs (KL divergence of the engine's own
 logits from the float32 engine's, on held-out text: chapter 07's statistic); an ablation, one row per lever; and
 a profile of the B = 1 step by operator class for the readable path and the quickest exact bf16 one. vLLM, when its environment exists
-(chapter 11), is measured on the same prompts and lengths through its server, by the chapter's client,
-in blocks that alternate with the course engine's server: engine, vLLM, vLLM, engine, with vLLM stopped
+(chapter 11), is measured on the same prompts and lengths through its server, by the chapter's client, each
+server with the same compute threads (vLLM's "auto" binding keeps one core for its API server; the engine gets as
+many threads as vLLM's workers, as in chapter 11), in blocks that alternate with the course engine's server: engine, vLLM, vLLM, engine, with vLLM stopped
 while the engine is measured (idle, its server still keeps about half a core busy: reported).
 """
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -132,8 +134,9 @@ def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, pack):
         return sum(p.cpu_percent(None) for p in procs)
 
     idle = {}
+    threads = max(1, (os.cpu_count() or 2) - 1)   # vLLM's "auto" binding: its compute threads on all cores but one
     engine = start_engine_server(ctx.model_name, served_model_name="m", dtype="bfloat16", max_num_seqs=big,
-                                 prefix_caching=False, pack=pack, progress=False)
+                                 prefix_caching=False, pack=pack, threads=threads, progress=False)
     try:
         replay(engine.base_url, "m", seq_trace, max_concurrency=1, warmup=1, progress=False)
         if pack == "compiled":        # its B = 1 and B = 16 shapes compile on their first steps: before the clock
@@ -155,7 +158,8 @@ def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, pack):
     e, v = figures["course engine"], figures["vLLM"]
     e1, v1 = statistics.median(e["tpot"]), statistics.median(v["tpot"])
     e16, v16 = statistics.median(e["tps"]), statistics.median(v["tps"])
-    note = (f"blocks engine, vLLM, vLLM, engine, vLLM stopped during the engine's (idle CPU: engine server "
+    note = (f"{threads} compute thread{'s' if threads > 1 else ''} each (the other core for each server's API); "
+            f"blocks engine, vLLM, vLLM, engine, vLLM stopped during the engine's (idle CPU: engine server "
             f"{idle['course engine']:.0f} %, vLLM {idle['vLLM']:.0f} %); "
             f"{prompt_len}-token prompts, {new_tokens} tokens out, ignore_eos")
     yield Row(_SECTION, f"served, bf16 (engine: pack {pack}, its quickest bf16 path above), B = 1: engine TPOT / vLLM TPOT", e1 / v1,
