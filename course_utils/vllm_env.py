@@ -10,7 +10,8 @@ import against this torch, and vLLM's text models do not need them.
 Two sides:
 
 * in the course's environment (the chapter, the tests, ``tasks.py``): :func:`vllm_support`
-  (can vLLM run here, and if not, why), :func:`ensure_env` / :func:`create_env`,
+  (can vLLM run here, and if not, why), :func:`ensure_env` / :func:`create_env` (``python -m
+  course_utils.vllm_env create`` where the set-up step skips vLLM on a CPU with AVX2 but no AVX-512),
   :func:`start_vllm_server` (a :class:`~course_utils.serving.ServerProcess`) and :class:`VllmBench`
   (a helper process in vLLM's environment that runs ``vllm bench serve`` rounds and vLLM's own
   metric code on the course client's records);
