@@ -408,3 +408,45 @@ def test_the_onednn_prepacked_path_keeps_the_bf16_weights(tiny_model):
     assert (a - b).abs().max() <= 0.02 * b.abs().max()
     with pytest.raises(ValueError, match="bfloat16"):
         RunnerWeights.from_model(tiny_model, "float32", pack="onednn")
+
+
+def test_the_upcast_product_is_the_bf16_product_summed_in_float32(monkeypatch):
+    """``upcast_product``: bfloat16 numbers multiplied and summed in float32, rounded at the end -- what PyTorch's
+    bfloat16 product computes -- whatever the slices (here 24 rows at a time, the last slice partial)."""
+    from course_utils.engine import packed
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 96, generator=g).to(torch.bfloat16)
+    w = torch.randn(200, 96, generator=g).to(torch.bfloat16)
+    want = (x.double() @ w.double().t())
+    whole = packed.upcast_product(x, w)
+    monkeypatch.setattr(packed, "UPCAST_SLICE_BYTES", 24 * 4 * 96)
+    sliced = packed.upcast_product(x, w)
+    assert sliced.dtype == torch.bfloat16 and sliced.shape == (12, 200)
+    ulp = want.abs().clamp_min(1e-3) * 2.0 ** -8                    # one rounding to bfloat16's 8-bit mantissa
+    for got in (whole, sliced):
+        assert ((got.double() - want).abs() <= ulp).all()
+    assert ((torch.nn.functional.linear(x, w).double() - sliced.double()).abs() <= 2 * ulp).all()
+
+
+def test_the_upcast_path_keeps_the_bf16_weights_and_multiplies_batches_in_float32(tiny_model, monkeypatch):
+    """``pack="upcast"``: the same bfloat16 matrices; a prefill's products go through ``upcast_product`` (a
+    one-row decode step's do not), and its logits are the dense bfloat16 path's up to the order of the sums."""
+    from course_utils.engine import packed
+    calls = []
+    real = packed.upcast_product
+    monkeypatch.setattr(packed, "upcast_product", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    weights = RunnerWeights.from_model(tiny_model, "bfloat16", pack="upcast")
+    fast = LLMEngine(tiny_model, num_blocks=16, block_size=4, max_num_seqs=1, weights=weights).runner
+    dense = LLMEngine(tiny_model, num_blocks=16, block_size=4, max_num_seqs=1, dtype="bfloat16").runner
+    assert all(isinstance(m, packed.UpcastLinear) for m in fast.step_matrices())
+    assert fast.step_weight_bytes() == dense.step_weight_bytes()
+    ids = list(range(3, 30))
+    a, b = fast.sequence_logits(ids), dense.sequence_logits(ids)
+    layers = tiny_model.config.num_hidden_layers
+    assert calls == [len(ids)] * (4 * layers + 1)                   # every product of the prefill, the head too
+    assert (a - b).abs().max() <= 0.02 * b.abs().max()
+    calls.clear()
+    fast.decode_logits(ids[:3])                                     # prefill of one token, then one-row steps
+    assert calls == []
+    with pytest.raises(ValueError, match="bfloat16"):
+        RunnerWeights.from_model(tiny_model, "float32", pack="upcast")

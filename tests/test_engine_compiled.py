@@ -120,3 +120,32 @@ def test_paged_decode_attention_is_attention_over_each_sequences_blocks(dtype):
             q[s].float(), keys[:n].float().transpose(0, 1), values[:n].float().transpose(0, 1))
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(out[s].float(), ref.reshape(-1), **tol)
+
+
+def test_batches_of_a_compiled_step_multiply_like_the_upcast_path_where_bf16_products_are_slow(tiny_llama,
+                                                                                               monkeypatch):
+    """On a CPU where PyTorch's bfloat16 product is slow, ``pack="compiled"`` holds ``"upcast"``'s matrices and its
+    batch graphs multiply through ``course::upcast_linear``: the logits of a batch of 4 are the eager upcast
+    path's, up to rounding (forced here on any CPU, with 2 rows as the threshold)."""
+    from course_utils.engine import model_runner, packed
+    monkeypatch.setattr(model_runner, "bf16_products_are_slow", lambda device: True)
+    monkeypatch.setattr(C, "UPCAST_MIN_ROWS", 2)
+    monkeypatch.setattr(packed, "UPCAST_MIN_ROWS", 2)
+    model = tiny_llama
+    prompts = [p[:n] for p, n in zip(_prompts(model.config.vocab_size, 4, 10), (4, 10, 7, 9))]
+    runs = {}
+    for pack in ("upcast", "compiled"):
+        engine = LLMEngine(model, num_blocks=16, block_size=4, max_num_seqs=4, prefix_caching=False,
+                           weights=RunnerWeights.from_model(model, "bfloat16", pack=pack))
+        assert all(isinstance(m, packed.UpcastLinear) for m in engine.runner.step_matrices())
+        for p in prompts:
+            engine.add_request(p, 4, ignore_eos=True)
+        engine.step()                                          # prefill of all four (eager on both paths)
+        seqs, is_prefill = engine.scheduler.schedule()          # the decode step of all four, blocks appended
+        assert len(seqs) == 4 and not is_prefill
+        inp = engine.runner.prepare(seqs, is_prefill=False)
+        runs[pack] = engine.runner.forward(inp).float()
+        if pack == "compiled":
+            assert engine.runner.compiled.module.upcast
+            assert list(engine.runner.compiled.compile_s) == [(4, 4)]
+    torch.testing.assert_close(runs["compiled"], runs["upcast"], rtol=0.05, atol=0.05 * runs["upcast"].abs().max())

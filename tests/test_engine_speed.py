@@ -124,7 +124,17 @@ def test_packing_a_matrix_slice_by_slice_changes_nothing(monkeypatch, kind):
 
 def test_the_exact_bf16_packing_is_read_from_the_paths_given():
     assert S.fastest_exact_bf16(S.PATHS) == "onednn"
-    assert S.fastest_exact_bf16([p for p in S.PATHS if p[2] != "onednn"]) == "none"
+    assert S.fastest_exact_bf16([p for p in S.PATHS if p[2] != "onednn"]) == "upcast"
+    assert S.fastest_exact_bf16([p for p in S.PATHS if p[2] not in ("onednn", "upcast")]) == "none"
+
+
+def test_the_upcast_path_is_offered_only_where_pytorchs_bf16_product_is_slow(monkeypatch):
+    from course_utils.engine import packed
+    upcast = [p for p in S.PATHS if p[2] == "upcast"]
+    for slow in (True, False):
+        monkeypatch.setattr(packed, "bf16_products_are_slow", lambda device, slow=slow: slow)
+        assert S.available_paths("cpu", upcast) == (upcast if slow else [])
+    assert not packed.bf16_products_are_slow("meta")                # a GPU's (or any non-CPU) product is its own
 
 
 def test_each_lever_is_measured_against_the_path_it_builds_on():
@@ -135,7 +145,16 @@ def test_each_lever_is_measured_against_the_path_it_builds_on():
     pairs = {f.label: base.label for f, base, _ in S.ablation(figs)}
     assert pairs["int8 weights, bf16 activations"] == "bfloat16, oneDNN-prepacked"     # not the compiled row before it
     assert pairs["bfloat16, compiled decode step"] == "bfloat16, oneDNN-prepacked"
-    without = [f for f in figs if f.label != "bfloat16, oneDNN-prepacked"]
-    pairs = {f.label: base.label for f, base, _ in S.ablation(without)}
-    assert pairs["int8 weights, bf16 activations"] == "bfloat16"                      # the base's base
+    assert pairs["bfloat16, batch products in float32"] == "bfloat16"
+    assert pairs["int4 weights, bf16 activations"] == "int8 weights, bf16 activations"
+    avx2 = [f for f in figs if f.label != "bfloat16, oneDNN-prepacked"]        # a CPU without oneDNN's bf16 kernels
+    pairs = {f.label: base.label for f, base, _ in S.ablation(avx2)}
+    assert pairs["bfloat16, compiled decode step"] == "bfloat16, batch products in float32"
+    assert pairs["int8 weights, bf16 activations"] == "bfloat16, batch products in float32"
+    avx512 = [f for f in figs if f.label != "bfloat16, batch products in float32"]
+    pairs = {f.label: base.label for f, base, _ in S.ablation(avx512)}
+    assert pairs["bfloat16, compiled decode step"] == "bfloat16, oneDNN-prepacked"
+    neither = [f for f in avx2 if f.label != "bfloat16, batch products in float32"]
+    pairs = {f.label: base.label for f, base, _ in S.ablation(neither)}
+    assert pairs["int8 weights, bf16 activations"] == "bfloat16"                      # the last candidate
     assert len(S.ablation(figs[:1])) == 0

@@ -1,8 +1,8 @@
 """The course engine's speed against its floors and against vLLM's CPU build, one path per row.
 
 Paths (:data:`course_utils.engine.speed.PATHS`): the dense float32 path chapter 04 shows, dense bfloat16, and
-the fast paths (bf16 in oneDNN's layout; weight-only int8 and int4 kernels, bfloat16 activations;
-:mod:`course_utils.engine.packed`). For each, measured by :func:`course_utils.engine.speed.measure_path`: the
+the fast paths (bf16 in oneDNN's layout, or batch products in float32 where PyTorch's bf16 product is slow;
+the compiled decode step; weight-only int8 and int4 kernels, bfloat16 activations; :mod:`course_utils.engine.packed`). For each, measured by :func:`course_utils.engine.speed.measure_path`: the
 decode step at B = 1 (ms per token) against the same matrices' product floor (timed in turns with it) and the
 bandwidth floor, the decode throughput at B = 16, and the quality it costs (KL divergence of the engine's own
 logits from the float32 engine's, on held-out text: chapter 07's statistic); an ablation, one row per lever; and

@@ -33,6 +33,10 @@ What it takes, and what this module changes for it:
   embedding and norm weights, which tells one runner's compiled step from another's.
 * **torch.compile's cache.** Compiled graphs, each with its frozen copy of the weights, stay in
   ``torch.compile``'s cache after their runner is gone, until :func:`release_compiled` empties it.
+* **Batch products where PyTorch's bfloat16 product is slow.** On such a CPU (no oneDNN bfloat16 kernels:
+  :func:`~.packed.bf16_products_are_slow`) the runner's matrices are ``pack="upcast"``'s, and the graphs of
+  batches multiply them through the same float32 slice-by-slice product, as one operator
+  (``course::upcast_linear``) the graph calls; a batch of one keeps the compiler's own product.
 * **A C++ compiler.** Inductor generates C++ for the CPU (``g++``, ``clang++``); where none is found the path is
   refused with a clear error (:func:`check_compiler`).
 
@@ -47,6 +51,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from .packed import UPCAST_MIN_ROWS, UpcastLinear
 
 
 def check_compiler(device="cpu") -> str:
@@ -112,7 +118,11 @@ class DecodeStep(torch.nn.Module):
         d = runner.dims
 
         def frozen(t):
+            if isinstance(t, UpcastLinear):
+                self.upcast = True                       # batches multiply through course::upcast_linear
+                t = t.weight
             return None if t is None else torch.nn.Parameter(t, requires_grad=False)     # shares the storage
+        self.upcast = False
         self.layers = torch.nn.ModuleList()
         for w in runner.layers:
             layer = torch.nn.Module()
@@ -120,7 +130,8 @@ class DecodeStep(torch.nn.Module):
                 setattr(layer, name, frozen(t))
             self.layers.append(layer)
         self.embed, self.final_norm = frozen(runner.embed), frozen(runner.final_norm)
-        self.lm_head = self.embed if runner.lm_head is runner.embed else frozen(runner.lm_head)
+        head = runner.lm_head.weight if isinstance(runner.lm_head, UpcastLinear) else runner.lm_head
+        self.lm_head = self.embed if head is runner.embed else frozen(runner.lm_head)
         self.register_buffer("cos", runner.cos)
         self.register_buffer("sin", runner.sin)
         self.n_heads, self.n_kv, self.head_dim = d.n_heads, d.n_kv_heads, d.head_dim
@@ -128,6 +139,12 @@ class DecodeStep(torch.nn.Module):
 
     def _norm(self, x, w):
         return self._rms_norm(x, w)                      # the eager runner's own, so both round alike
+
+    def _linear(self, x, w, b=None):
+        if self.upcast and x.shape[0] >= UPCAST_MIN_ROWS:  # (the batch is fixed per graph: decided when it compiles)
+            y = torch.ops.course.upcast_linear(x, w)
+            return y if b is None else y + b
+        return F.linear(x, w, b)
 
     def forward(self, ids, positions, tables, k_pool, v_pool):
         H, KV, hd = self.n_heads, self.n_kv, self.head_dim
@@ -140,18 +157,18 @@ class DecodeStep(torch.nn.Module):
         n_qk = (H + KV) * hd
         new_k, new_v = [], []
         for i, w in enumerate(self.layers):
-            qkv = F.linear(self._norm(h, w.in_norm), w.w_qkv, w.b_qkv)
+            qkv = self._linear(self._norm(h, w.in_norm), w.w_qkv, w.b_qkv)
             qk = qkv[:, :n_qk].view(S, H + KV, hd)
             qk = qk * cos + qk.roll(hd // 2, dims=-1) * sin
             k, v = qk[:, H:], qkv[:, n_qk:].view(S, KV, hd)
             q = qk[:, :H].reshape(S, KV, H // KV, hd)
             attn = paged_decode_attention(q, k, v, k_pool[i], v_pool[i], tables, positions, bias)
-            h = h + F.linear(attn, w.w_o, w.b_o)
-            gate, up = F.linear(self._norm(h, w.post_norm), w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
-            h = h + F.linear(self.act(gate) * up, w.w_down, w.b_down)
+            h = h + self._linear(attn, w.w_o, w.b_o)
+            gate, up = self._linear(self._norm(h, w.post_norm), w.w_gate_up, w.b_gate_up).chunk(2, dim=-1)
+            h = h + self._linear(self.act(gate) * up, w.w_down, w.b_down)
             new_k.append(k)
             new_v.append(v)
-        logits = F.linear(self._norm(h, self.final_norm), self.lm_head)
+        logits = self._linear(self._norm(h, self.final_norm), self.lm_head)
         return logits, logits.argmax(dim=-1), torch.stack(new_k), torch.stack(new_v)
 
 

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from ..hooks import decoder_layers
 from ..models import model_dims, resolve_dtype
-from .packed import PACKINGS, PackedLinear, PrepackedLinear, add_linear, linear, pack_matrix, prepack_matrix
+from .packed import (PACKINGS, PackedLinear, PrepackedLinear, UpcastLinear, add_linear, bf16_products_are_slow, linear,
+                     pack_matrix, prepack_matrix, upcast_matrix)
 from .sequence import Sequence
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
@@ -76,15 +77,18 @@ class RunnerWeights:
     ``pack="int8"`` or ``"int4"``: the fast path of :mod:`.packed` -- every matrix (the four per layer and
     the LM head) becomes a :class:`~.packed.PackedLinear` for a weight-only low-bit kernel computing in
     ``dtype``; lossy. ``pack="onednn"`` (bfloat16): the same bfloat16 matrices in oneDNN's layout
-    (:class:`~.packed.PrepackedLinear`). ``pack="compiled"``: the dense matrices, and the runner's decode steps
-    compiled by ``torch.compile`` (:mod:`.compiled`). ``"none"`` (the default) is the path chapter 04 shows.
+    (:class:`~.packed.PrepackedLinear`). ``pack="upcast"`` (bfloat16): the same matrices, their products of a
+    batch or a prefill computed in float32 slice by slice (:class:`~.packed.UpcastLinear`), for CPUs where
+    PyTorch's own bfloat16 product is slow. ``pack="compiled"``: the dense matrices, and the runner's decode steps
+    compiled by ``torch.compile`` (:mod:`.compiled`); in bfloat16 on a CPU where PyTorch's bfloat16 product is
+    slow, its matrices are ``"upcast"``'s. ``"none"`` (the default) is the path chapter 04 shows.
     """
 
     dtype: torch.dtype
     layers: list[dict]
     embed: torch.Tensor
     final_norm: torch.Tensor
-    lm_head: torch.Tensor | PackedLinear | PrepackedLinear
+    lm_head: torch.Tensor | PackedLinear | PrepackedLinear | UpcastLinear
     pack: str = "none"
 
     @classmethod
@@ -107,18 +111,20 @@ class RunnerWeights:
                 b_gate_up=_cat_bias([mlp.gate_proj, mlp.up_proj], dt),
                 w_down=mlp.down_proj.weight.detach().to(dt), b_down=_cat_bias([mlp.down_proj], dt)))
         lm_head = model.get_output_embeddings().weight.detach()
-        if pack == "onednn" and dt != torch.bfloat16:
-            raise ValueError(f"pack='onednn' computes in bfloat16; got dtype {dt}")
-        make = {"none": lambda w: w, "compiled": lambda w: w, "onednn": prepack_matrix, "int8": lambda w: pack_matrix(w, "int8", dt),
-                "int4": lambda w: pack_matrix(w, "int4", dt)}[pack]
+        if pack in ("onednn", "upcast") and dt != torch.bfloat16:
+            raise ValueError(f"pack={pack!r} computes in bfloat16; got dtype {dt}")
+        upcast = pack == "upcast" or (pack == "compiled" and dt == torch.bfloat16 and bf16_products_are_slow(model.device))
+        dense = upcast_matrix if upcast else (lambda w: w)
+        make = {"none": dense, "compiled": dense, "upcast": dense, "onednn": prepack_matrix,
+                "int8": lambda w: pack_matrix(w, "int8", dt), "int4": lambda w: pack_matrix(w, "int4", dt)}[pack]
         for layer in layers:
             for name in ("w_qkv", "w_o", "w_gate_up", "w_down"):
                 layer[name] = make(layer[name])
         embed = model.get_input_embeddings().weight.detach()
         tied = lm_head.data_ptr() == embed.data_ptr()
         embed = embed.to(dt)
-        if pack in ("none", "compiled"):
-            lm_head = embed if tied else lm_head.to(dt)          # a tied head stays one tensor in the new dtype too
+        if pack in ("none", "compiled", "upcast"):
+            lm_head = dense(embed if tied else lm_head.to(dt))   # a tied head stays one tensor in the new dtype too
         else:
             lm_head = make(lm_head.to(dt) if pack == "onednn" else lm_head)
         return cls(dt, layers, embed, model.model.norm.weight.detach().to(dt), lm_head, pack)

@@ -17,6 +17,17 @@ paths do):
 * ``"onednn"``: ``torch.ops.mkldnn._reorder_linear_weight`` at load, ``_linear_pointwise`` per product
   (bfloat16 only; where this PyTorch build or CPU has no oneDNN bfloat16 linear, a clear error).
 
+And one for CPUs where PyTorch's own bfloat16 product is slow. Where this CPU's oneDNN has no bfloat16
+kernels (an x86 CPU without AVX-512, say), PyTorch multiplies bfloat16 matrices of more than one row with a
+portable loop, several times slower than the same product in float32 (one row has a fast kernel of its own):
+
+* ``"upcast"``: the same bfloat16 weights; a product of :data:`UPCAST_MIN_ROWS` rows or more converts the
+  matrix to float32 one slice at a time, each slice small enough to stay in the cache until its product
+  (:func:`upcast_product`), so the weights are still read from memory as bfloat16. It is the arithmetic a
+  bfloat16 matrix product does anyway -- bfloat16 numbers multiplied and summed in float32, the result rounded
+  to bfloat16 -- in another order of the sums. A prefill and a batch of decode steps gain; one-row products
+  keep PyTorch's kernel.
+
 The int paths are *lossy*: the engine then computes with ``W_hat``, the de-quantised matrix, not ``W``
 (:meth:`PackedLinear.dequantized` gives it, for measuring the quality the fast path costs). Fusing q/k/v or
 gate/up before packing changes nothing: both quantizers work row by row.
@@ -30,7 +41,7 @@ import torch.nn.functional as F
 
 #: What ``RunnerWeights.from_model(..., pack=...)`` accepts (``"compiled"``: dense weights, the decode step
 #: compiled by ``torch.compile``, :mod:`.compiled`).
-PACKINGS = ("none", "onednn", "int8", "int4", "compiled")
+PACKINGS = ("none", "onednn", "upcast", "int8", "int4", "compiled")
 #: The low-bit kernels' packings.
 LOWBIT = ("int8", "int4")
 
@@ -59,6 +70,88 @@ def prepack_matrix(w: torch.Tensor) -> PrepackedLinear:
         raise ValueError(f"this PyTorch build or CPU has no oneDNN bfloat16 linear ({type(exc).__name__}: {exc}); "
                          "use pack='none'") from None
     return PrepackedLinear(packed, tuple(w.shape), w.nbytes)
+
+
+def bf16_products_are_slow(device="cpu") -> bool:
+    """Whether PyTorch's bfloat16 product of more than one row is its slow portable loop on ``device``: on a CPU
+    whose oneDNN has no bfloat16 kernels (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is false: on x86, no
+    AVX-512 or AMX). False on GPUs, and where the question cannot be asked."""
+    if torch.device(device).type != "cpu":
+        return False
+    try:
+        return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    except (AttributeError, RuntimeError):
+        return False
+
+
+#: Rows from which :class:`UpcastLinear` multiplies in float32. Measured on the 2-core AVX2 development machine
+#: (2026-12-04): at 4 rows the float32 product of the 49,152 x 576 LM head took longer on two threads (29 ms
+#: against PyTorch's 17 ms in bfloat16), at 8 rows as long (37 against 36 ms), and every matrix of a layer was
+#: quicker from 4 rows.
+UPCAST_MIN_ROWS = 8
+#: Bytes of one float32 slice of a weight matrix in :func:`upcast_product` (kept in the cache between its
+#: conversion and its product; 1 to 2.4 MB slices were the quickest there, whole matrices slower on the LM head).
+UPCAST_SLICE_BYTES = 2 << 20
+
+
+def upcast_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x @ w^T`` for bfloat16 ``x`` (T, K) and ``w`` (N, K), multiplied and summed in float32 one slice of
+    ``w``'s rows at a time, rounded to ``x``'s dtype at the end (see the module's docstring)."""
+    n, k = w.shape
+    rows = max(16, UPCAST_SLICE_BYTES // (4 * k))
+    xf = x.float()
+    out = torch.empty(x.shape[0], n, dtype=torch.float32, device=x.device)
+    buf = torch.empty(min(rows, n), k, dtype=torch.float32, device=x.device)
+    for i in range(0, n, rows):
+        r = min(rows, n - i)
+        part = buf[:r]
+        part.copy_(w[i:i + r])
+        torch.mm(xf, part.t(), out=out[:, i:i + r])
+    return out.to(x.dtype)
+
+
+@dataclass
+class UpcastLinear:
+    """One bfloat16 weight matrix whose products of :data:`UPCAST_MIN_ROWS` rows or more are computed in float32,
+    slice by slice (:func:`upcast_product`); the same numbers as the dense matrix."""
+
+    weight: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < UPCAST_MIN_ROWS:
+            return F.linear(x, self.weight)
+        return upcast_product(x, self.weight)
+
+
+def upcast_matrix(w: torch.Tensor) -> UpcastLinear:
+    """``w`` (N, K), bfloat16, for the ``"upcast"`` path."""
+    if w.dtype != torch.bfloat16:
+        raise ValueError(f"the upcast path takes bfloat16 weights, got {w.dtype}")
+    return UpcastLinear(w)
+
+
+# The same product as an operator a compiled graph can call (inductor keeps it as one call, its weight a
+# constant); the fake kernel tells the compiler its output's shape.
+_LIB = torch.library.Library("course", "FRAGMENT")
+_LIB.define("upcast_linear(Tensor x, Tensor w) -> Tensor")
+_LIB.impl("upcast_linear", upcast_product, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("course::upcast_linear", lib=_LIB)
+def _upcast_linear_fake(x, w):
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
 @dataclass
@@ -139,8 +232,9 @@ def dequantized_like_packing(w: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ w^T (+ b)`` for a dense tensor, a :class:`PackedLinear` or a :class:`PrepackedLinear`."""
-    if isinstance(w, (PackedLinear, PrepackedLinear)):
+    """``x @ w^T (+ b)`` for a dense tensor, a :class:`PackedLinear`, :class:`PrepackedLinear` or
+    :class:`UpcastLinear`."""
+    if isinstance(w, (PackedLinear, PrepackedLinear, UpcastLinear)):
         y = w(x)
         return y if b is None else y + b
     return F.linear(x, w, b)
@@ -149,6 +243,6 @@ def linear(x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
 def add_linear(h: torch.Tensor, x: torch.Tensor, w, b: torch.Tensor | None) -> torch.Tensor:
     """``h + x @ w^T (+ b)``: a residual connection, fused into one matrix product where ``w`` is dense and
     there is no bias."""
-    if isinstance(w, (PackedLinear, PrepackedLinear)) or b is not None:
+    if isinstance(w, (PackedLinear, PrepackedLinear, UpcastLinear)) or b is not None:
         return h + linear(x, w, b)
     return torch.addmm(h, x, w.t())

@@ -1,7 +1,8 @@
 """How fast each of the engine's paths decodes, against its floors, what its speed costs, and where its time goes.
 
 A *path* is one way of running the same model: the dense float32 path chapter 04 shows, dense bfloat16, and the
-fast paths of :mod:`.packed` (bfloat16 in oneDNN's layout; weight-only int8 and int4 kernels). For each,
+fast paths of :mod:`.packed` (bfloat16 in oneDNN's layout, or, on a CPU where PyTorch's bfloat16 product is slow,
+batch products in float32; weight-only int8 and int4 kernels) and :mod:`.compiled` (the decode step compiled). For each,
 :func:`measure_path` times
 
 * the decode step at B = 1, each step followed by one pass of the **matrix-product floor**: the same matrices,
@@ -35,44 +36,54 @@ from ..measure import release_memory
 from ..validation import check_positive_int
 from .engine import LLMEngine
 from .model_runner import RunnerWeights
-from .packed import linear
+from .packed import UpcastLinear, linear
 
 #: (label, dtype, pack) of the paths the course measures, the readable one first: each row adds one lever.
 PATHS = [("float32", "float32", "none"), ("bfloat16", "bfloat16", "none"),
          ("bfloat16, oneDNN-prepacked", "bfloat16", "onednn"),
+         ("bfloat16, batch products in float32", "bfloat16", "upcast"),
          ("bfloat16, compiled decode step", "bfloat16", "compiled"),
          ("int8 weights, bf16 activations", "bfloat16", "int8"), ("int4 weights, bf16 activations", "bfloat16", "int4")]
 
-#: What each path adds to the path it builds on (the ablation's rows): label -> (the base path's label, the lever).
-LEVERS = {"bfloat16": ("float32", "bfloat16 weights and activations (half the bytes)"),
-          "bfloat16, oneDNN-prepacked": ("bfloat16", "the same bf16 weights stored once in oneDNN's layout"),
-          "bfloat16, compiled decode step": ("bfloat16, oneDNN-prepacked",
+#: The eager bfloat16 paths that keep every weight, the quickest first where a CPU has them (oneDNN's bfloat16
+#: kernels and the float32 batch products are for different CPUs: :func:`available_paths` never gives both).
+_EAGER_BF16 = ("bfloat16, oneDNN-prepacked", "bfloat16, batch products in float32", "bfloat16")
+
+#: What each path adds to the path it builds on (the ablation's rows): label -> (the labels of the paths it may
+#: build on, the first measured one taken; the lever).
+LEVERS = {"bfloat16": (("float32",), "bfloat16 weights and activations (half the bytes)"),
+          "bfloat16, oneDNN-prepacked": (("bfloat16",), "the same bf16 weights stored once in oneDNN's layout"),
+          "bfloat16, batch products in float32": (("bfloat16",),
+                                                  "products of a batch or a prefill in float32, the bf16 weights "
+                                                  "converted slice by slice (PyTorch's own bf16 product is slow on "
+                                                  "this CPU); one-row products unchanged"),
+          "bfloat16, compiled decode step": (_EAGER_BF16,
                                              "the whole decode step compiled by torch.compile (one call; element-wise "
-                                             "work fused into generated loops; weights frozen in oneDNN's layout)"),
-          "int8 weights, bf16 activations": ("bfloat16, oneDNN-prepacked",
+                                             "work fused into generated loops; weights frozen as constants)"),
+          "int8 weights, bf16 activations": (_EAGER_BF16,
                                              "weight-only int8 kernel (one byte per weight, a scale per row)"),
-          "int4 weights, bf16 activations": ("int8 weights, bf16 activations",
+          "int4 weights, bf16 activations": (("int8 weights, bf16 activations", *_EAGER_BF16),
                                              "weight-only int4 kernel (half a byte per weight, scales per group)")}
 
 
 def ablation(figures) -> list[tuple["PathFigures", "PathFigures", str]]:
-    """(path, the measured path it builds on, the lever) for each of ``figures`` but the first: a path whose base was
-    not measured is compared with its base's base (and so on), else with the path measured just before it."""
+    """(path, the measured path it builds on, the lever) for each of ``figures`` but the first: the first of its
+    bases (:data:`LEVERS`) that was measured, else the path measured just before it."""
     by_label = {f.label: f for f in figures}
     out = []
     for i, f in enumerate(figures):
         if f.label not in LEVERS or i == 0:
             continue
-        base, lever = LEVERS[f.label]
-        while base not in by_label and base in LEVERS:
-            base = LEVERS[base][0]
-        out.append((f, by_label.get(base, figures[i - 1]), lever))
+        bases, lever = LEVERS[f.label]
+        base = next((by_label[b] for b in bases if b in by_label), figures[i - 1])
+        out.append((f, base, lever))
     return out
 
 
 #: Operator classes of a profile, in the order they are shown, each with the operator names it holds.
 OP_CLASSES = {
     "matrix products": ("aten::addmm", "aten::mm", "aten::matmul", "aten::linear", "mkldnn::_linear_pointwise",
+                        "course::upcast_linear",
                         "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm"),
     "attention": ("aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::_scaled_dot_product_attention_math", "aten::_softmax", "aten::softmax", "aten::bmm",
@@ -99,8 +110,9 @@ CLASSES = [*OP_CLASSES, COMPILED, OTHER, PYTHON]
 
 def available_paths(device="cpu", paths=PATHS) -> list[tuple[str, str, str]]:
     """The ``paths`` this PyTorch build and this machine can run on ``device``: each packing is tried on a small
-    matrix (oneDNN's bfloat16 linear, for one, exists only on some CPUs and builds)."""
-    from .packed import pack_matrix, prepack_matrix
+    matrix (oneDNN's bfloat16 linear, for one, exists only on some CPUs and builds); ``"upcast"`` only where
+    PyTorch's own bfloat16 product is slow (elsewhere it would measure nothing new)."""
+    from .packed import bf16_products_are_slow, pack_matrix, prepack_matrix
     device = torch.device(device)
     out = []
     for label, dtype, pack in paths:
@@ -109,6 +121,9 @@ def available_paths(device="cpu", paths=PATHS) -> list[tuple[str, str, str]]:
             x = torch.randn(1, 128, device=device, dtype=getattr(torch, dtype))
             if pack == "onednn":
                 linear(x, prepack_matrix(w.to(torch.bfloat16)))
+            elif pack == "upcast":
+                if not bf16_products_are_slow(device):
+                    continue                      # PyTorch's own bfloat16 product is the quick one here
             elif pack == "compiled":
                 from .compiled import check_compiler
                 check_compiler(device)
@@ -123,13 +138,14 @@ def available_paths(device="cpu", paths=PATHS) -> list[tuple[str, str, str]]:
 def fastest_exact_bf16(paths) -> str:
     """Of ``paths`` (``(label, dtype, pack)`` triples or :class:`PathFigures`, e.g. :func:`available_paths`), the
     packing of the quickest eager one that keeps the bfloat16 weights: ``"onednn"`` where it is among them, else
-    ``"none"`` (the compiled step keeps them too, but rounds in other places and costs a compile: not "eager")."""
+    ``"upcast"`` where it is, else ``"none"`` (the compiled step keeps them too, but rounds in other places and
+    costs a compile: not "eager")."""
     packs = {p.pack if isinstance(p, PathFigures) else p[2] for p in paths}
-    return "onednn" if "onednn" in packs else "none"
+    return next((p for p in ("onednn", "upcast") if p in packs), "none")
 
 
 #: The packings that keep every bfloat16 weight (the paths the 1.3x floor target is set for).
-BF16_WEIGHT_PACKS = ("none", "onednn", "compiled")
+BF16_WEIGHT_PACKS = ("none", "onednn", "upcast", "compiled")
 
 
 def fastest_bf16(figures) -> "PathFigures":
@@ -184,7 +200,7 @@ def paired_steps(engine: LLMEngine, prompt: list, new_tokens: int, floor) -> tup
 def matrix_pass(runner):
     """A function that multiplies every matrix of one decode step once by a one-row input, as the step does (a
     compiled step multiplies them in oneDNN's layout, where this build has it: so does its floor)."""
-    mats = runner.step_matrices()
+    mats = [m.weight if isinstance(m, UpcastLinear) else m for m in runner.step_matrices()]   # one row: the same
     if runner.compiled is not None and runner.dtype == torch.bfloat16:
         from .packed import prepack_matrix
         try:
