@@ -213,6 +213,12 @@ def matrix_pass(runner):
     return lambda: [linear(xs[m.shape[1]], m) for m in mats]
 
 
+#: Decode steps at B = ``batch`` that :func:`measure_path` leaves out of its median: they warm the batch's
+#: shapes up (and compile them, on the compiled path) -- instead of a warm-up run, which would prefill every
+#: prompt of the batch once more.
+BATCH_WARMUP_STEPS = 2
+
+
 @dataclass
 class PathFigures:
     """What :func:`measure_path` measured for one path."""
@@ -256,7 +262,8 @@ def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, hel
 
     ``prompts``: at least ``batch`` prompts (token-id lists); B = 1 runs the first. Each of ``rounds`` rounds
     runs one request of ``new_tokens`` tokens with a matrix-product pass after each decode step
-    (:func:`paired_steps`), after a warm-up of both.
+    (:func:`paired_steps`), after a warm-up of both. At B = ``batch``, one run of the prompts to ``new_tokens``
+    tokens, its first :data:`BATCH_WARMUP_STEPS` decode steps left out.
     ``profile_tokens`` > 0: :func:`profile_decode` then profiles a B = 1 request of that many tokens on the same
     engine (``figures.profile``)."""
     check_positive_int("rounds", rounds)
@@ -289,8 +296,8 @@ def measure_path(model, label: str, dtype: str, pack: str, *, prompts: list, hel
         floors += fl
     profiled = profile_decode(one, prompts[:1], profile_tokens, label=label) if profile_tokens else None
     many = path_engine(model, weights, batch, prompt_len, new_tokens)
-    decode_steps(many, prompts[:batch], 2)                                       # warm-up
     batch_steps = decode_steps(many, prompts[:batch], new_tokens)
+    batch_steps = batch_steps[min(BATCH_WARMUP_STEPS, len(batch_steps) - 1):]    # the first steps warm up: left out
     figures = PathFigures(label, dtype, pack, statistics.median(steps), statistics.median(floors),
                           one.runner.step_weight_bytes(), batch, statistics.median(batch_steps),
                           step_samples=steps, profile=profiled, **quality)
