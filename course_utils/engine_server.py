@@ -365,8 +365,8 @@ def build_engine(model_name: str, *, device: str = "cpu", dtype: str = "float32"
                  num_blocks: int = 256, block_size: int = 16, prefix_caching: bool = True, pack: str = "none"):
     """Load ``model_name`` and build the engine the server runs: ``(engine, tokenizer)``.
 
-    ``dtype``: what the engine computes in; ``pack``: the engine's fast path (``"onednn"``, ``"int8"``, ``"int4"``,
-    ``"compiled"``: :mod:`course_utils.engine.packed`, :mod:`course_utils.engine.compiled` -- a compiled step
+    ``dtype``: what the engine computes in; ``pack``: the engine's fast path (``"onednn"``, ``"upcast"``, ``"int8"``,
+    ``"int4"``, ``"compiled"``: :mod:`course_utils.engine.packed`, :mod:`course_utils.engine.compiled` -- a compiled step
     compiles each new batch / context shape on its first request), ``"none"`` for the dense path."""
     from .engine import LLMEngine, RunnerWeights
     from .models import load_model
