@@ -10,7 +10,10 @@ a profile of the B = 1 step by operator class for the readable path and the quic
 (chapter 11), is measured on the same prompts and lengths through its server, by the chapter's client, each
 server with the same compute threads (vLLM's "auto" binding keeps one core for its API server; the engine gets as
 many threads as vLLM's workers, as in chapter 11), in blocks that alternate with the course engine's server: engine, vLLM, vLLM, engine, with vLLM stopped
-while the engine is measured (idle, its server still keeps about half a core busy: reported).
+while the engine is measured (idle, its server still keeps about half a core busy: reported). The throughput at
+B = 16 is split into what it is made of (each server's median time to first token, the prompts' prefill, and time
+per output token), and the served path's B = 16 decode step is profiled by operator class on the servers' thread
+count, in this process.
 """
 from __future__ import annotations
 
@@ -86,7 +89,9 @@ def rows(ctx):
                        f"{f.tokens_per_s / base.tokens_per_s:.2f}x at B = {big}")
     exact_bf16 = fastest_exact_bf16(results.values())
     yield from _profiles(results, exact_bf16)
-    yield from _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, fastest_bf16(results.values()).pack)
+    served = fastest_bf16(results.values()).pack
+    yield from _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, served)
+    yield from _served_profile(ctx, prompts, prompt_len, new_tokens, big, served, _served_threads())
     yield from _llama_cpp(ctx, features)
 
 
@@ -120,13 +125,15 @@ def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, pack):
     folder, _ = resolve_model_source(ctx.model_name)
     seq_trace = make_trace(prompts[:4], [new_tokens] * 4, rate_per_s=1000.0, process="fixed")
     par_trace = make_trace(prompts, [new_tokens] * big, rate_per_s=1000.0, process="fixed")
-    figures = {name: {"tpot": [], "tps": []} for name in ("course engine", "vLLM")}
+    figures = {name: {"tpot": [], "tps": [], "ttft_big": [], "tpot_big": []} for name in ("course engine", "vLLM")}
 
     def block(name, url):
         one = replay(url, "m", seq_trace, max_concurrency=1, warmup=0, progress=False).summary()
         par = replay(url, "m", par_trace, max_concurrency=big, warmup=0, progress=False).summary()
         figures[name]["tpot"].append(one.tpot.median)
         figures[name]["tps"].append(par.output_throughput)
+        figures[name]["ttft_big"].append(par.ttft.median)
+        figures[name]["tpot_big"].append(par.tpot.median)
 
     def idle_cpu(server) -> float:
         procs = [psutil.Process(p.pid) for p in server._processes()]
@@ -136,7 +143,7 @@ def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, pack):
         return sum(p.cpu_percent(None) for p in procs)
 
     idle = {}
-    threads = max(1, (os.cpu_count() or 2) - 1)   # vLLM's "auto" binding: its compute threads on all cores but one
+    threads = _served_threads()
     engine = start_engine_server(ctx.model_name, served_model_name="m", dtype="bfloat16", max_num_seqs=big,
                                  prefix_caching=False, pack=pack, threads=threads, progress=False)
     try:
@@ -169,6 +176,43 @@ def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, pack):
               note=f"engine {e1 * 1e3:.1f} ms, vLLM {v1 * 1e3:.1f} ms per token; {note}")
     yield Row(_SECTION, f"served, bf16, B = {big}: engine / vLLM output throughput", e16 / v16, "x", ">= 1.0x",
               e16 / v16 >= 1.0, note=f"engine {e16:,.0f} tok/s, vLLM {v16:,.0f} tok/s")
+    # What the throughput is made of: the prompts' prefill (time to first token) and the decode steps after it.
+    for key, what in (("ttft_big", "median time to first token"), ("tpot_big", "median time per output token")):
+        et, vt = statistics.median(e[key]), statistics.median(v[key])
+        yield Row(_SECTION, f"served, bf16, B = {big}: {what}, engine / vLLM", et / vt, "x",
+                  note=f"engine {et * 1e3:,.1f} ms, vLLM {vt * 1e3:,.1f} ms")
+
+
+def _served_threads() -> int:
+    """The compute threads of each server: vLLM's "auto" binding puts its compute threads on all cores but one."""
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+def _served_profile(ctx, prompts, prompt_len, new_tokens, big, pack, threads):
+    """Where a B = ``big`` decode step of the served path goes, by operator class, on the served thread count
+    (in this process, no server: the step the served engine runs)."""
+    from ..engine.model_runner import RunnerWeights
+    from ..engine.speed import path_engine, profile_decode
+    model, _ = ctx.model()
+    before, engine = torch.get_num_threads(), None
+    torch.set_num_threads(threads)
+    try:
+        engine = path_engine(model, RunnerWeights.from_model(model, "bfloat16", pack=pack), big, prompt_len,
+                             new_tokens)
+        engine.generate(prompts[:big], 4, ignore_eos=True)          # a compiled path compiles its shapes here
+        p = profile_decode(engine, prompts[:big], ctx.sizes(6, 3), label=f"bfloat16, {pack}, B = {big}")
+    finally:
+        torch.set_num_threads(before)
+        engine = None
+        if pack == "compiled":
+            from ..engine.compiled import release_compiled
+            release_compiled()
+    for cls in CLASSES:
+        yield Row(_SECTION, f"profile served path ({pack}), B = {big}, {threads} thread{'s' if threads > 1 else ''}: "
+                            f"{cls}", p.ms_per_step[cls], "ms/step",
+                  note=f"{p.calls_per_step[cls]:.0f} calls per step" if cls != PYTHON else
+                  f"profiled step {p.profiled_step_s * 1e3:.1f} ms, unprofiled {p.step_s * 1e3:.1f} ms, "
+                  f"{p.steps} steps")
 
 
 def _llama_cpp(ctx, features):
