@@ -101,12 +101,17 @@ def _profiles(results, exact_bf16):
     for f in results.values():
         if (f.dtype, f.pack) not in (("float32", "none"), ("bfloat16", exact_bf16), ("bfloat16", "compiled")):
             continue
-        p = f.profile
-        for cls in CLASSES:
-            yield Row(_SECTION, f"profile {p.label}: {cls}", p.ms_per_step[cls], "ms/step",
-                      note=f"{p.calls_per_step[cls]:.0f} calls per step" if cls != PYTHON else
-                      f"profiled step {p.profiled_step_s * 1e3:.1f} ms, unprofiled {p.step_s * 1e3:.1f} ms, "
-                      f"{p.steps} steps")
+        yield from _profile_rows(f.profile, f"profile {f.profile.label}")
+
+
+def _profile_rows(p, name):
+    """One row per operator class of the :class:`~course_utils.engine.speed.StepProfile` ``p``, each named
+    ``name: class``."""
+    for cls in CLASSES:
+        yield Row(_SECTION, f"{name}: {cls}", p.ms_per_step[cls], "ms/step",
+                  note=f"{p.calls_per_step[cls]:.0f} calls per step" if cls != PYTHON else
+                  f"profiled step {p.profiled_step_s * 1e3:.1f} ms, unprofiled {p.step_s * 1e3:.1f} ms, "
+                  f"{p.steps} steps")
 
 
 def _vs_vllm(ctx, tok, prompts, prompt_len, new_tokens, big, pack):
@@ -207,12 +212,8 @@ def _served_profile(ctx, prompts, prompt_len, new_tokens, big, pack, threads):
         if pack == "compiled":
             from ..engine.compiled import release_compiled
             release_compiled()
-    for cls in CLASSES:
-        yield Row(_SECTION, f"profile served path ({pack}), B = {big}, {threads} thread{'s' if threads > 1 else ''}: "
-                            f"{cls}", p.ms_per_step[cls], "ms/step",
-                  note=f"{p.calls_per_step[cls]:.0f} calls per step" if cls != PYTHON else
-                  f"profiled step {p.profiled_step_s * 1e3:.1f} ms, unprofiled {p.step_s * 1e3:.1f} ms, "
-                  f"{p.steps} steps")
+    plural = "s" if threads > 1 else ""
+    yield from _profile_rows(p, f"profile served path ({pack}), B = {big}, {threads} thread{plural}")
 
 
 def _llama_cpp(ctx, features):
