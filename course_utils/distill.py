@@ -318,11 +318,38 @@ def _trainable(model) -> list[torch.nn.Parameter]:
     return [p for p in {id(p): p for p in model.parameters()}.values() if id(p) not in frozen]
 
 
-def _freeze_shared(model) -> list[torch.nn.Parameter]:
-    """Set which tensors of a student get gradients (by their role, whatever flags others have set); return those."""
+TRAINED_PARTS = ("all", "unquantized")
+
+
+def _projection_weights(model) -> list[torch.nn.Parameter]:
+    """The tensors chapter 05's quantizer rounds: each projection matrix's weight (its latent weight when the
+    module is quantization-aware), not its bias."""
+    out = []
+    for module in projection_modules(model).values():
+        if parametrize.is_parametrized(module, "weight"):
+            out.append(module.parametrizations.weight.original)
+        else:
+            out.append(module.weight)
+    return out
+
+
+def _freeze_shared(model, train: str = "all") -> list[torch.nn.Parameter]:
+    """Set which tensors of a student get gradients (by their role, whatever flags others have set); return those.
+
+    ``train="all"``: every parameter but the embedding and the head. ``"unquantized"``: only those a weight
+    quantizer leaves in floating point -- the norms' gains and any biases -- with the projection weights frozen too.
+    """
+    if train not in TRAINED_PARTS:
+        raise ValueError(f"train must be one of {TRAINED_PARTS}, got {train!r}")
     for p in _frozen_shared(model):
         p.requires_grad_(False)
     params = _trainable(model)
+    if train == "unquantized":
+        rounded = {id(p) for p in _projection_weights(model)}
+        for p in params:
+            if id(p) in rounded:
+                p.requires_grad_(False)
+        params = [p for p in params if id(p) not in rounded]
     for p in params:
         p.requires_grad_(True)
     return params
@@ -463,12 +490,15 @@ def training_step(student, data: DistillData, batch: torch.Tensor, loss: str, lo
 
 def train_student(student, data: DistillData, *, loss: str, steps: int, batch_size: int = 1, lr: float = 1e-3,
                   seed: int = 0, checkpoints: Sequence[int] = (), evaluate: Callable | None = None,
-                  max_grad_norm: float = 1.0, loss_chunk: int = 32, progress: bool = False) -> TrainingRun:
+                  max_grad_norm: float = 1.0, loss_chunk: int = 32, train: str = "all",
+                  progress: bool = False) -> TrainingRun:
     """Train ``student`` in place with the soft-label (``loss="soft"``: :func:`top_k_distillation_loss` on the
     teacher's stored targets) or the hard-label loss (``"hard"``: :func:`hard_label_loss`) (chapter 09).
 
     Adam (no weight decay) on every parameter but the token embedding and the LM head (frozen), gradient norm clipped to
     ``max_grad_norm``, constant learning rate ``lr``; the batches are :func:`batch_order` (``seed``).
+    ``train="unquantized"`` trains only what a weight quantizer leaves in floating point (norm gains, biases),
+    the projection weights frozen as they are (the control arm of quantization-aware training).
     ``evaluate(student)`` runs at every step in ``checkpoints`` (0 = before training); its results, by step,
     are :attr:`TrainingRun.checkpoints`. The optimizer's state is freed when the function returns.
     The loss is the mean over every position of the batch, computed (with its gradient) ``loss_chunk`` positions
@@ -485,7 +515,7 @@ def train_student(student, data: DistillData, *, loss: str, steps: int, batch_si
     points = sorted(set(checkpoints))
     if any(not isinstance(c, int) or not 0 <= c <= steps for c in points):
         raise ValueError(f"checkpoints must be steps from 0 to {steps}, got {list(checkpoints)}")
-    params = _freeze_shared(student)           # the embedding and head get no gradient, whatever their flags say
+    params = _freeze_shared(student, train)    # the embedding and head get no gradient, whatever their flags say
     if not params:
         raise ValueError("the student has no trainable parameters")
     if data.targets.vocab_size != student.get_output_embeddings().weight.shape[0]:

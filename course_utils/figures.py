@@ -111,13 +111,21 @@ class Sourced:
 
 
 def figures_from(prefix: str, name: str, recompute, *, build_dir: str | Path | None = None,
-                 use_build: bool = True, recompute_note: str = "recomputed here", model: str | None = None) -> Sourced:
+                 use_build: bool = True, recompute_note: str = "recomputed here", model: str | None = None,
+                 machine: str | None = None) -> Sourced:
     """Chapter ``prefix``'s published figures ``name`` where the main job left them, else ``recompute()``
     (a function returning the same dict, cheaper). ``use_build=False`` always recomputes. ``model``: a
-    :func:`model_key`; figures published for another model are not used (the note says whose they were)."""
+    :func:`model_key`; figures published for another model are not used (the note says whose they were).
+    ``machine``: for figures that depend on the clock (timings), this run's
+    :func:`course_utils.notebook.machine_summary`; figures published on another machine, or without one, are
+    not used."""
     found = read_published(prefix, name, build_dir) if use_build else None
     if found is not None and model is not None and found.data.get("model") != model:
         recompute_note = f"{recompute_note} (build/ holds chapter {prefix}'s figures for {found.data.get('model')})"
+        found = None
+    if found is not None and machine is not None and found.machine != machine:
+        recompute_note = (f"{recompute_note} (build/ holds chapter {prefix}'s timings from "
+                          f"{found.machine or 'an unrecorded machine'})")
         found = None
     if found is not None:
         return Sourced(found.data, found.where(), True)

@@ -14,10 +14,14 @@ Both use the asymmetric min/max rounding of chapter 05 (:func:`course_utils.quan
 with ``Scheme("minmax", bits, "group", group_size)``): ``bits``-bit codes plus an fp16 step and an
 fp16 minimum per group.
 
-:class:`QuantizedKVCache` is a transformers cache that *stores* what it has been given in that form
-(de-quantised to float32 again, "fake quantization": the values are exactly those a quantized cache
-would hand to attention; the memory is not saved here, it is computed by
-:func:`course_utils.memory_sizing.kv_bytes_per_token`). A forward pass reads the cache's stored
+:class:`QuantizedKVCache` is a transformers cache that *holds* what it has been given in that form:
+bit-packed codes (two 4-bit codes per byte, four 2-bit ones, one 8-bit one) and an fp16 step and minimum
+per group (:class:`StoredKV`), so the memory is really saved (:meth:`QuantizedKVCache.stored_bytes`
+counts it; :attr:`KVQuantSpec.held_bits_per_element` is what one number costs). Attention reads the
+numbers de-quantised again, in the keys' dtype, every time: exactly the values :func:`fake_quantize_kv`
+gives (asserted in the tests), at the cost of de-quantising the whole cache at every step -- a fused
+kernel would read the codes directly.
+A forward pass reads the cache's stored
 (quantized) keys and values of every earlier token, plus its own tokens and the most recent
 ``residual`` tokens in full precision. So to measure a quantized cache, the text must be fed in
 pieces: a chunk's own tokens attend to each other in full precision, and only later chunks read
@@ -32,7 +36,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .memory_sizing import quantized_bits
-from .quantize import Scheme, fake_quantize
+from .quantize import QuantizedTensor, Scheme, dequantize, fake_quantize, quantize
 from .validation import check_non_negative_int, check_positive_int
 
 AXES = ("channel", "token")
@@ -72,6 +76,12 @@ class KVQuantSpec:
         return quantized_bits(self.bits, self.group_size, zero_point_bits=16)
 
     @property
+    def held_bits_per_element(self) -> float:
+        """Bits one cached number takes as :class:`QuantizedKVCache` holds it: its code in a slot of
+        ``8 / (8 // bits)`` bits (3-bit codes take 4) plus its share of the fp16 step and minimum."""
+        return quantized_bits(8 // _codes_per_byte(self.bits), self.group_size, zero_point_bits=16)
+
+    @property
     def scheme(self) -> Scheme:
         return Scheme("minmax", self.bits, "group", self.group_size, pad=True)
 
@@ -102,6 +112,73 @@ def fake_quantize_kv(x: torch.Tensor, spec: KVQuantSpec, axis: str) -> torch.Ten
     return fake_quantize(rows, spec.scheme).reshape(b, h, d, t).transpose(2, 3).contiguous().to(x.dtype)
 
 
+def _codes_per_byte(bits: int) -> int:
+    return 8 // bits if bits <= 4 else 1
+
+
+def _rows(x: torch.Tensor, axis: str) -> torch.Tensor:
+    """(batch, heads, tokens, head_dim) as the rows that are quantized, request by request (batch-major)."""
+    b, h, t, d = x.shape
+    return x.reshape(b * h * t, d) if axis == "token" else x.transpose(2, 3).reshape(b * h * d, t)
+
+
+@dataclass
+class StoredKV:
+    """Keys or values of some tokens as a quantized cache holds them (chapter 10 measures it).
+
+    ``codes``: uint8 (batch, bytes per request), ``8 // bits`` codes per byte (one for 5..8 bits);
+    ``step`` / ``minimum``: fp16 (batch, groups per request); ``shape``: the float tensor's
+    (batch, heads, tokens, head_dim); ``axis``: ``"channel"`` or ``"token"`` (see :func:`fake_quantize_kv`).
+    """
+
+    codes: torch.Tensor
+    step: torch.Tensor
+    minimum: torch.Tensor
+    shape: tuple
+    axis: str
+    spec: "KVQuantSpec"
+    n_codes: int            # codes per request, a group's padding included
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.step, self.minimum))
+
+    @classmethod
+    def store(cls, x: torch.Tensor, spec: "KVQuantSpec", axis: str) -> "StoredKV":
+        """Quantize ``x`` (batch, heads, tokens, head_dim) along ``axis`` and pack its codes."""
+        _check_states(x)
+        b = x.shape[0]
+        qt = quantize(_rows(x, axis), spec.scheme)
+        codes = qt.codes.reshape(b, -1)
+        n_codes, per = codes.shape[1], _codes_per_byte(spec.bits)
+        codes = torch.nn.functional.pad(codes, (0, -n_codes % per)).reshape(b, -1, per)
+        packed = codes[..., 0].clone()
+        for i in range(1, per):
+            packed |= codes[..., i] << (i * (8 // per))
+        return cls(packed, qt.scale.reshape(b, -1), qt.offset.reshape(b, -1), tuple(x.shape), axis, spec, n_codes)
+
+    def load(self, dtype=torch.float32) -> torch.Tensor:
+        """The de-quantised (batch, heads, tokens, head_dim) tensor in ``dtype``: equal to
+        ``fake_quantize_kv`` of what was stored."""
+        b, h, t, d = self.shape
+        per = _codes_per_byte(self.spec.bits)
+        width = 8 // per
+        mask = (1 << width) - 1
+        codes = torch.stack([(self.codes >> (i * width)) & mask for i in range(per)], dim=-1).reshape(b, -1)
+        rows_shape = (b * h * t, d) if self.axis == "token" else (b * h * d, t)
+        block_len = self.n_codes // self.step.shape[1]
+        qt = QuantizedTensor(codes[:, :self.n_codes].reshape(-1, block_len), self.step.reshape(-1, 1),
+                             self.minimum.reshape(-1, 1), torch.Size(rows_shape), self.spec.scheme)
+        rows = dequantize(qt)
+        out = rows.reshape(b, h, t, d) if self.axis == "token" else rows.reshape(b, h, d, t).transpose(2, 3)
+        return out.contiguous().to(dtype)
+
+    def select(self, index) -> "StoredKV":
+        """The same storage for the requests ``index`` picks (a tensor of batch indices)."""
+        codes, step, minimum = self.codes[index], self.step[index], self.minimum[index]
+        return StoredKV(codes, step, minimum, (codes.shape[0], *self.shape[1:]), self.axis, self.spec, self.n_codes)
+
+
 class QuantizedKVLayer(DynamicLayer):
     """One layer's cache: quantized keys and values for older tokens, full precision for the recent ones.
 
@@ -122,13 +199,26 @@ class QuantizedKVLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self.keys, self.values = key_states[..., :0, :], value_states[..., :0, :]   # empty (batch, heads, 0, head_dim)
-        self.q_keys, self.q_values = self.keys, self.values
+        self.stored_keys: list[StoredKV] = []       # one entry per flush, oldest first
+        self.stored_values: list[StoredKV] = []
+
+    def _read(self, stored: list[StoredKV], like: torch.Tensor) -> list[torch.Tensor]:
+        return [s.load(like.dtype).to(like.device) for s in stored]
+
+    @property
+    def q_keys(self) -> torch.Tensor:
+        """The stored keys as attention reads them (de-quantised), (batch, heads, quantized tokens, head_dim)."""
+        return torch.cat([*self._read(self.stored_keys, self.keys), self.keys[..., :0, :]], dim=-2)
+
+    @property
+    def q_values(self) -> torch.Tensor:
+        return torch.cat([*self._read(self.stored_values, self.values), self.values[..., :0, :]], dim=-2)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys = torch.cat([self.q_keys, self.keys, key_states], dim=-2)
-        values = torch.cat([self.q_values, self.values, value_states], dim=-2)
+        keys = torch.cat([*self._read(self.stored_keys, key_states), self.keys, key_states], dim=-2)
+        values = torch.cat([*self._read(self.stored_values, value_states), self.values, value_states], dim=-2)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self._flush()
@@ -141,22 +231,30 @@ class QuantizedKVLayer(DynamicLayer):
         if movable <= 0:
             return
         old_k, old_v = self.keys[..., :movable, :], self.values[..., :movable, :]
-        self.q_keys = torch.cat([self.q_keys, fake_quantize_kv(old_k, self.spec, self.spec.key_axis)], dim=-2)
-        self.q_values = torch.cat([self.q_values, fake_quantize_kv(old_v, self.spec, self.spec.value_axis)], dim=-2)
-        self.keys, self.values = self.keys[..., movable:, :], self.values[..., movable:, :]
+        self.stored_keys.append(StoredKV.store(old_k, self.spec, self.spec.key_axis))
+        self.stored_values.append(StoredKV.store(old_v, self.spec, self.spec.value_axis))
+        self.keys, self.values = self.keys[..., movable:, :].clone(), self.values[..., movable:, :].clone()
         self.quantized_tokens += movable
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes this layer holds: the packed codes with their steps and minimums, plus the full-precision tokens."""
+        if not self.is_initialized:
+            return 0
+        return (sum(s.nbytes for s in self.stored_keys + self.stored_values)
+                + self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size())
 
     def get_seq_length(self) -> int:
         if not self.is_initialized:
             return 0
-        return self.q_keys.shape[-2] + self.keys.shape[-2]
+        return self.quantized_tokens + self.keys.shape[-2]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
     def reset(self) -> None:
         super().reset()
-        self.q_keys = self.q_values = None
+        self.stored_keys, self.stored_values = [], []
         self.quantized_tokens = 0
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -164,13 +262,14 @@ class QuantizedKVLayer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.get_seq_length() > 0:
-            for name in ("q_keys", "q_values", "keys", "values"):
-                setattr(self, name, getattr(self, name).repeat_interleave(repeats, dim=0))
+            index = torch.arange(self.keys.shape[0]).repeat_interleave(repeats)
+            self.batch_select_indices(index)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.get_seq_length() > 0:
-            for name in ("q_keys", "q_values", "keys", "values"):
-                setattr(self, name, getattr(self, name)[indices, ...])
+            self.stored_keys = [s.select(indices) for s in self.stored_keys]
+            self.stored_values = [s.select(indices) for s in self.stored_values]
+            self.keys, self.values = self.keys[indices, ...], self.values[indices, ...]
 
 
 class QuantizedKVCache(Cache):
@@ -197,3 +296,8 @@ class QuantizedKVCache(Cache):
     def quantized_tokens(self) -> int:
         """Tokens whose keys and values are stored quantized (layer 0's count; all layers agree)."""
         return self.layers[0].quantized_tokens if self.layers else 0
+
+    def stored_bytes(self) -> int:
+        """Bytes the cache holds over all layers: packed codes, fp16 steps and minimums, and the tokens
+        still in full precision (chapter 10 checks it against the formula and against the process's RSS)."""
+        return sum(layer.stored_bytes for layer in self.layers)

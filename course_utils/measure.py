@@ -70,6 +70,28 @@ def openmp_wait_policy() -> str:
     return ", ".join(parts) if parts else "OpenMP's default wait policy"
 
 
+def cpu_features() -> dict:
+    """The CPU's model name and the matrix / vector extensions that decide bfloat16 speed (chapter 10):
+    ``{"model": str, "amx": bool | None, "avx512_bf16": bool | None}``. Read from ``/proc/cpuinfo`` where the
+    system has one (Linux); elsewhere the flags are None (unknown) and the model is ``platform.processor()``."""
+    import platform
+    info = {"model": platform.processor() or platform.machine(), "amx": None, "avx512_bf16": None}
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            info["model"] = value.strip()
+        if key.strip() == "flags":
+            flags = set(value.split())
+            info["amx"] = "amx_bf16" in flags and "amx_tile" in flags
+            info["avx512_bf16"] = "avx512_bf16" in flags
+            break
+    return info
+
+
 def synchronize(device) -> None:
     """Wait until queued work on ``device`` has finished (no-op on the CPU)."""
     dev = torch.device(device)
@@ -175,6 +197,20 @@ def steady_allocator(mmap_threshold_bytes: int = 4 << 20, trim_threshold_bytes: 
 def rss_bytes() -> int:
     """Resident set size of this process, in bytes."""
     return psutil.Process().memory_info().rss
+
+
+def file_backed_bytes() -> int | None:
+    """The part of this process's RSS backed by files -- memory-mapped weights, the libraries' code -- where the
+    system reports it (Linux: psutil's ``shared``); None elsewhere. Chapter 10 splits what a process keeps with it."""
+    return getattr(psutil.Process().memory_info(), "shared", None)
+
+
+def touch_parameters(model) -> None:
+    """Read every parameter once, so that weights memory-mapped from a file are resident (and counted in RSS) before
+    anything is measured: a forward pass alone reads only the embedding rows of its tokens (chapter 10)."""
+    with torch.no_grad():
+        for p in {id(p): p for p in model.parameters()}.values():
+            p.detach().sum()
 
 
 @dataclass

@@ -28,7 +28,6 @@ import copy
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from transformers import DynamicCache
@@ -84,7 +83,8 @@ def position_acceptance_constant_alpha(alpha: float, gamma: int) -> list[float]:
 class SpecStats:
     """What a speculative run did. ``proposed[i]`` / ``accepted[i]``: passes in which a guess at draft
     position i (0-based) was made / kept. ``passes``: verification passes; ``new_tokens``: tokens those passes
-    produced (the prefill's first token aside); ``propose_s`` / ``verify_s``: seconds spent in each phase."""
+    produced (the prefill's first token aside); ``propose_s`` / ``verify_s``: seconds spent in each phase;
+    ``per_pass``: (guesses made, guesses kept, tokens kept) of every pass, in order."""
 
     gamma: int
     proposed: list[int] = field(default_factory=list)
@@ -93,6 +93,7 @@ class SpecStats:
     new_tokens: int = 0
     propose_s: float = 0.0
     verify_s: float = 0.0
+    per_pass: list[tuple[int, int, int]] = field(default_factory=list)
 
     def __post_init__(self):
         self.proposed = self.proposed or [0] * self.gamma
@@ -104,6 +105,28 @@ class SpecStats:
             self.accepted[i] += i < n_accepted
         self.passes += 1
         self.new_tokens += n_new
+        self.per_pass.append((n_proposed, n_accepted, n_new))
+
+    @property
+    def full_passes(self) -> int:
+        """Passes that made at least one guess and kept every guess (so the bonus token was drawn)."""
+        return sum(1 for made, kept, _ in self.per_pass if made and kept == made)
+
+    def token_roles(self) -> list[str]:
+        """What every token of the run was, the prefill's first included: ``"prefill"``; ``"position j"``, the j-th
+        token of a pass that made guesses (a kept guess or the replacement of a rejected one); ``"bonus"``, the token
+        after every guess of a pass was kept; ``"no guess"``, the token of a pass that made none (a plain draw).
+
+        A token's role is known *before* it is drawn (how many guesses its pass made, and that the ones before it
+        were kept), so grouping tokens by role keeps each token's distribution given its past: what
+        :func:`sampling_fit` tests. (Whether a token *was* a kept guess or a replacement is not known beforehand,
+        and is not a role.)
+        """
+        roles = ["prefill"]
+        for made, _, n_new in self.per_pass:
+            roles += ["no guess" if not made else "bonus" if j == made + 1 else f"position {j}"
+                      for j in range(1, n_new + 1)]
+        return roles
 
     @property
     def acceptance(self) -> float:
@@ -112,11 +135,21 @@ class SpecStats:
         return sum(self.accepted) / made if made else math.nan
 
     @property
+    def reached(self) -> list[int]:
+        """Per draft position i: passes whose guess i was checked (made, and guesses 0..i−1 all kept)."""
+        return [sum(1 for made, kept, _ in self.per_pass if made > i and kept >= i) for i in range(self.gamma)]
+
+    @property
     def conditional_acceptance(self) -> list[float]:
-        """Per draft position i: accepted at i / proposed at i, among passes that reached position i
-        (a guess at i is only checked when guesses 0..i−1 were accepted)."""
-        reached = [self.proposed[0]] + self.accepted[:-1]
-        return [a / r if r else math.nan for a, r in zip(self.accepted, reached)]
+        """Per draft position i: guesses kept at i / guesses checked at i (:attr:`reached`): NaN where none was."""
+        return [a / r if r else math.nan for a, r in zip(self.accepted, self.reached)]
+
+    @property
+    def acceptance_checked(self) -> float:
+        """The formula's α, measured: guesses kept / guesses *checked* (a guess after a rejection is never checked,
+        so :attr:`acceptance`, kept / made, falls with γ by construction). NaN if none was checked."""
+        checked = sum(self.reached)
+        return sum(self.accepted) / checked if checked else math.nan
 
     @property
     def position_acceptance(self) -> list[float]:
@@ -172,7 +205,7 @@ def truncate_cache(cache: DynamicCache, n_tokens: int) -> None:
 
 
 def _vocab_size(model) -> int:
-    return model.get_output_embeddings().weight.shape[0]
+    return model.get_output_embeddings().out_features          # an nn.Linear, or a draft's packed one
 
 
 class DraftModel(Proposer):
@@ -215,7 +248,7 @@ def early_exit_draft(model, n_layers: int):
     shares every weight with the target (no copy) and costs about ``n_layers / L`` of its layers.
 
     Untrained: the LM head was only ever trained to read the *last* layer's output, so its guesses are those of
-    a model never taught to stop early (LayerSkip and self-speculative decoding train for it; this does not).
+    a model never taught to stop early (LayerSkip trains the model for it; this does not).
     """
     layers = decoder_layers(model)
     check_positive_int("n_layers", n_layers)
@@ -225,21 +258,74 @@ def early_exit_draft(model, n_layers: int):
     config.num_hidden_layers = n_layers
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[:n_layers]
-    with torch.device("meta"):
-        draft = type(model)(config)
     dropped = tuple(f"{prefix}.{i}." for prefix in _layer_prefixes(model) for i in range(n_layers, len(layers)))
     keep = {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.startswith(dropped)}
-    draft.load_state_dict(keep, assign=True, strict=False)      # the target's own tensors: shared, not copied
-    missing = [n for n, p in draft.named_parameters() if p.is_meta]
-    if missing:
-        raise ValueError(f"could not share these weights with the target: {missing[:3]}")
-    for name, buf in list(draft.named_buffers()):               # non-persistent buffers (rotary frequencies)
+    return _sharing_copy(model, config, keep)
+
+
+def _sharing_copy(model, config, keep: dict, fill=None):
+    """A ``type(model)`` built from ``config`` on the meta device, holding the tensors of ``keep`` (the model's own:
+    shared, not copied) and the model's non-persistent buffers (rotary frequencies). ``fill(draft)`` puts in what
+    ``keep`` leaves out; a parameter still left on the meta device is an error."""
+    with torch.device("meta"):
+        draft = type(model)(config)
+    draft.load_state_dict(keep, assign=True, strict=False)
+    if fill is not None:
+        fill(draft)
+    for name, buf in list(draft.named_buffers()):
         if buf.is_meta:
             owner, _, attr = name.rpartition(".")
             module = draft.get_submodule(owner) if owner else draft
             module.register_buffer(attr, model.get_buffer(name), persistent=False)
+    missing = [n for n, p in draft.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"could not share these weights with the target: {missing[:3]}")
     draft.generation_config = copy.deepcopy(model.generation_config)
     return draft.eval()
+
+
+class _PackedLinear(torch.nn.Module):
+    """An ``nn.Linear`` whose weight is held in a low-bit kernel's layout
+    (:class:`course_utils.engine.packed.PackedLinear`); inputs are cast to the kernel's dtype and back."""
+
+    def __init__(self, packed, bias):
+        super().__init__()
+        self.packed, self.bias = packed, bias
+
+    @property
+    def out_features(self) -> int:
+        return self.packed.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.packed(x.reshape(-1, x.shape[-1]).to(self.packed.dtype)).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], y.shape[-1])
+        return y if self.bias is None else y + self.bias
+
+
+def quantized_draft(model, kind: str = "int8", *, compute_dtype: torch.dtype = torch.bfloat16):
+    """The model itself with fewer bits: every projection and the LM head run chapter 05's weight-only ``kind``
+    kernel (``"int8"``: one scale per row; ``"int4"``: a scale and a zero point per group), everything else
+    (embeddings, norms, rotary tables) shared with ``model``, not copied.
+
+    The draft of the reference design: the same model, so it agrees often, and cheaper per step where reading
+    fewer bytes makes a step faster. The products compute in ``compute_dtype`` (on the CPU PyTorch's int8 kernel
+    is fast with bfloat16 inputs, not with float32 ones). Lossy: measured by agreement like any draft.
+    """
+    from .engine.packed import LOWBIT, pack_matrix
+    if kind not in LOWBIT:
+        raise ValueError(f"kind must be one of {LOWBIT}, got {kind!r}")
+    if compute_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"the low-bit kernels compute in float32 or bfloat16, got {compute_dtype}")
+    linears = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    keep = {k: v for k, v in model.state_dict(keep_vars=True).items() if k.rpartition(".")[0] not in linears}
+
+    def pack(draft):
+        for name in sorted(linears):
+            owner, _, attr = name.rpartition(".")
+            src = model.get_submodule(name)
+            parent = draft.get_submodule(owner) if owner else draft
+            setattr(parent, attr, _PackedLinear(pack_matrix(src.weight.detach(), kind, compute_dtype), src.bias))
+    return _sharing_copy(model, copy.deepcopy(model.config), keep, pack)
 
 
 def _layer_prefixes(model) -> list[str]:
@@ -371,24 +457,33 @@ def next_next_data(model, token_ids: torch.Tensor, *, chunk_tokens: int = 256, p
 
 def train_next_next_head(hidden: torch.Tensor, labels: torch.Tensor, lm_head_weight: torch.Tensor, *,
                          steps: int = 200, batch_size: int = 256, lr: float = 1e-3, seed: int = 0,
-                         time_budget_s: float | None = None, progress: bool = False):
+                         time_budget_s: float | None = None, heldout=None, eval_every: int = 25,
+                         progress: bool = False):
     """Train a :class:`NextNextHead` with cross-entropy on (hidden state at t, token at t + 2) pairs.
 
     Adam on the head's one matrix; the LM head stays frozen. Stops after ``steps`` steps or when
-    ``time_budget_s`` seconds have passed. Returns ``(head, losses)``: the training loss at every step.
+    ``time_budget_s`` seconds have passed. ``heldout``: (hidden, labels) pairs never trained on, scored before the
+    first step, every ``eval_every`` steps and after the last. Returns ``(head, losses, curve)``: the training loss
+    at every step, and [(steps done, held-out loss, held-out top-1 accuracy)] (empty without ``heldout``).
     """
     from .progress import progress_bar
     check_positive_int("steps", steps)
     check_positive_int("batch_size", batch_size)
+    check_positive_int("eval_every", eval_every)
     if hidden.shape[0] != labels.shape[0] or hidden.dim() != 2:
         raise ValueError("need one label per hidden state: hidden (n, d_model), labels (n,)")
     torch.manual_seed(seed)
     head = NextNextHead(lm_head_weight.float().cpu())
     opt = torch.optim.Adam(head.parameters(), lr=lr)
     gen = torch.Generator().manual_seed(seed)
-    losses, t0 = [], time.perf_counter()
+    losses, curve, t0 = [], [], time.perf_counter()
+
+    def score():
+        if heldout is not None:
+            curve.append((len(losses), *head_loss_and_accuracy(head, *heldout)))
+    score()
     with torch.enable_grad():
-        for _ in progress_bar(range(steps), "training the head", enabled=progress):
+        for step in progress_bar(range(steps), "training the head", enabled=progress):
             idx = torch.randint(0, hidden.shape[0], (batch_size,), generator=gen)
             loss = torch.nn.functional.cross_entropy(head(hidden[idx]), labels[idx])
             opt.zero_grad()
@@ -397,7 +492,26 @@ def train_next_next_head(hidden: torch.Tensor, labels: torch.Tensor, lm_head_wei
             losses.append(float(loss.detach()))
             if time_budget_s is not None and time.perf_counter() - t0 > time_budget_s:
                 break
-    return head.eval(), losses
+            if (step + 1) % eval_every == 0:
+                with torch.no_grad():
+                    score()
+    if not curve or curve[-1][0] != len(losses):
+        score()
+    return head.eval(), losses, curve
+
+
+@torch.no_grad()
+def head_loss_and_accuracy(head: NextNextHead, hidden: torch.Tensor, labels: torch.Tensor,
+                           chunk: int = 256) -> tuple[float, float]:
+    """Mean cross-entropy (nats) and top-1 accuracy of ``head`` on (hidden state at t, token at t + 2) pairs."""
+    if hidden.shape[0] != labels.shape[0] or not hidden.shape[0]:
+        raise ValueError("need one label per hidden state, and at least one")
+    total, right = 0.0, 0
+    for i in range(0, hidden.shape[0], chunk):
+        logits = head(hidden[i:i + chunk].float())
+        total += float(torch.nn.functional.cross_entropy(logits, labels[i:i + chunk], reduction="sum"))
+        right += int((logits.argmax(-1) == labels[i:i + chunk]).sum())
+    return total / hidden.shape[0], right / hidden.shape[0]
 
 
 class HeadGuess(Proposer):
@@ -509,59 +623,108 @@ def speculative_generate(target, proposer: Proposer, prompt_ids, max_new_tokens:
 # --- speculative sampling ------------------------------------------------------------------------------
 
 
-def modified_rejection(p: torch.Tensor, q: torch.Tensor, guess: int, generator: torch.Generator) -> tuple[bool, int]:
-    """The modified rejection rule (Leviathan et al. 2023; Chen et al. 2023) for one guess drawn from ``q``.
+def acceptance_probability(p: torch.Tensor, q: torch.Tensor, guesses: torch.Tensor) -> torch.Tensor:
+    """min(1, p(d) / q(d)) for each guess d drawn from ``q``: how likely the target keeps it.
 
-    Accept it with probability min(1, p[guess] / q[guess]); otherwise draw a replacement from the residual
+    ``p``, ``q``: (vocab,); ``guesses``: (n,). Returns (n,) float64. A guess drawn from q has q(d) > 0; a zero
+    q(d) is read as a sure accept.
+    """
+    p_d, q_d = p[guesses].double(), q[guesses].double()
+    return torch.where(q_d > 0, (p_d / q_d.clamp_min(1e-300)).clamp(max=1.0), torch.ones_like(p_d))
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """normalise(max(0, p − q)): where a rejected guess's replacement is drawn from. All zeros where p − q has no
+    positive part (p == q up to rounding, where a rejection cannot happen: :func:`modified_rejection_batch` then
+    keeps the guess)."""
+    residual = (p.double() - q.double()).clamp_min(0)
+    total = residual.sum()
+    return residual / total if total > 0 else residual
+
+
+def modified_rejection_batch(p: torch.Tensor, q: torch.Tensor, guesses: torch.Tensor,
+                             generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """The modified rejection rule (Leviathan et al. 2023; Chen et al. 2023) for ``n`` guesses drawn from ``q``.
+
+    Each guess d is accepted with probability min(1, p(d) / q(d)) (:func:`acceptance_probability`); a rejected
+    one is replaced by a draw from normalise(max(0, p − q)) (:func:`residual_distribution`). Whatever q is, the
+    token that comes out is distributed exactly as ``p``. ``p``, ``q``: (vocab,); ``guesses``: (n,).
+    Returns ``(accepted (n,) bool, tokens (n,) long)``.
+
+    The course's only copy of the rule: :func:`modified_rejection` (one guess, as the model loop
+    :func:`speculative_sample` uses it) and :func:`modified_rejection_draws` (many independent guesses) call it.
+    """
+    guesses = torch.as_tensor(guesses, dtype=torch.long).reshape(-1)
+    u = torch.rand(guesses.shape[0], generator=generator, dtype=torch.float64)
+    accepted = u < acceptance_probability(p, q, guesses)
+    tokens = guesses.clone()
+    rejected = ~accepted
+    n_rejected = int(rejected.sum())
+    if n_rejected:
+        residual = residual_distribution(p, q)
+        if residual.sum() > 0:
+            tokens[rejected] = torch.multinomial(residual, n_rejected, replacement=True, generator=generator)
+        else:                                                   # p == q: a rejection cannot happen
+            accepted[:] = True
+    return accepted, tokens
+
+
+def modified_rejection(p: torch.Tensor, q: torch.Tensor, guess: int, generator: torch.Generator) -> tuple[bool, int]:
+    """The modified rejection rule for one guess drawn from ``q`` (:func:`modified_rejection_batch` with one row):
+    accept it with probability min(1, p[guess] / q[guess]); otherwise draw a replacement from the residual
     normalise(max(0, p − q)). The token that comes out is distributed exactly as ``p``. Returns
     ``(accepted, token)``.
     """
-    u = torch.rand((), generator=generator).item()
-    if u * q[guess] < p[guess]:                       # u < p/q without dividing by a zero q
-        return True, guess
-    residual = (p - q).clamp_min(0)
-    total = residual.sum()
-    if not total > 0:                                 # p == q: a rejection cannot happen; guard rounding
-        return True, guess
-    return False, sample_token(residual / total, generator)
+    accepted, tokens = modified_rejection_batch(p, q, torch.tensor([int(guess)]), generator)
+    return bool(accepted[0]), int(tokens[0])
 
 
 def modified_rejection_draws(p: torch.Tensor, q: torch.Tensor, n: int, generator: torch.Generator):
-    """``n`` independent runs of :func:`modified_rejection` at once, each with its own guess drawn from ``q``:
-    the same rule, vectorised (for checking its distribution with many draws). Returns ``(tokens (n,),
-    accepted (n,) bool)``."""
+    """``n`` independent guesses drawn from ``q``, each put through the rule (:func:`modified_rejection_batch`):
+    for checking the rule's distribution with many draws. Returns ``(tokens (n,), accepted (n,) bool)``."""
     check_positive_int("n", n)
     guesses = torch.multinomial(q, n, replacement=True, generator=generator)
-    u = torch.rand(n, generator=generator, dtype=p.dtype)
-    accepted = u * q[guesses] < p[guesses]
-    tokens = guesses.clone()
-    residual = (p - q).clamp_min(0)
-    rejected = int((~accepted).sum())
-    if rejected and residual.sum() > 0:
-        tokens[~accepted] = torch.multinomial(residual / residual.sum(), rejected, replacement=True,
-                                              generator=generator)
+    accepted, tokens = modified_rejection_batch(p, q, guesses, generator)
     return tokens, accepted
 
 
 def speculative_sample_step(ps: list[torch.Tensor], qs: list[torch.Tensor], guesses: list[int],
-                            generator: torch.Generator, rule: Callable = modified_rejection) -> list[int]:
+                            generator: torch.Generator) -> list[int]:
     """One verification pass of speculative sampling, on distributions: the tokens it keeps.
 
     ``qs[i]``: the draft's distribution the guess ``guesses[i]`` was drawn from; ``ps[i]``: the target's at the
     same position, plus ``ps[len(guesses)]`` after the last guess (for the bonus token). Guesses are checked in
-    order with ``rule``; the first rejection ends the pass with its replacement; if every guess is kept, a bonus
-    token is drawn from the last ``p``. ``rule`` is a parameter so the tests can show that wrong rules are caught.
+    order with :func:`modified_rejection`; the first rejection ends the pass with its replacement; if every guess
+    is kept, a bonus token is drawn from the last ``p``.
     """
     if len(ps) != len(guesses) + 1 or len(qs) != len(guesses):
         raise ValueError("need one q per guess and one p per guess plus one")
     kept = []
     for p, q, g in zip(ps, qs, guesses):
-        accepted, token = rule(p, q, g, generator)
+        accepted, token = modified_rejection(p, q, g, generator)
         kept.append(token)
         if not accepted:
             return kept
     kept.append(sample_token(ps[len(guesses)], generator))
     return kept
+
+
+@torch.no_grad()
+def draft_guesses(draft, cache: DynamicCache, history: list[int], k: int, temperature: float, top_k: int,
+                  generator: torch.Generator) -> tuple[list[int], list[torch.Tensor]]:
+    """The draft's part of a sampling pass: feed it what its ``cache`` has not seen of ``history``, then sample
+    ``k`` guesses one after another. Returns the guesses and the distributions q they were drawn from (on the CPU).
+    The cache then holds ``history`` and every guess but the last."""
+    guesses, qs = [], []
+    feed = history[cache.get_seq_length():]
+    for _ in range(k):
+        logits = draft(torch.tensor([feed], device=draft.device), cache=cache, use_cache=True,
+                       logits_to_keep=1).logits[0, -1]
+        q = sampling_probs(logits, temperature, top_k).cpu()
+        guesses.append(sample_token(q, generator))
+        qs.append(q)
+        feed = [guesses[-1]]
+    return guesses, qs
 
 
 @torch.no_grad()
@@ -587,15 +750,7 @@ def speculative_sample(target, draft, prompt_ids, max_new_tokens: int, gamma: in
         history = tokens + new
         k = min(gamma, max_new_tokens - len(new) - 1)
         t1 = time.perf_counter()
-        guesses, qs = [], []
-        feed = history[dcache.get_seq_length():]
-        for _ in range(k):
-            logits = draft(torch.tensor([feed], device=draft.device), cache=dcache, use_cache=True,
-                           logits_to_keep=1).logits[0, -1]
-            q = sampling_probs(logits, temperature, top_k).cpu()
-            guesses.append(sample_token(q, gen))
-            qs.append(q)
-            feed = [guesses[-1]]
+        guesses, qs = draft_guesses(draft, dcache, history, k, temperature, top_k, gen)
         t2 = time.perf_counter()
         logits, _ = verify(target, cache, [new[-1]] + guesses)
         ps = list(sampling_probs(logits, temperature, top_k).cpu())
@@ -609,6 +764,114 @@ def speculative_sample(target, draft, prompt_ids, max_new_tokens: int, gamma: in
         stats.record(len(guesses), n_ok, len(kept))
         new += kept
     return SpecResult(new[:max_new_tokens], stats, time.perf_counter() - t0)
+
+
+# --- checking what speculative sampling produced ------------------------------------------------------------
+
+
+def rank_bins(vocab: int) -> list[int]:
+    """Edges of the rank bins :func:`rank_fit` counts in: every rank of a small vocabulary, then widening bins."""
+    if vocab <= 16:
+        return list(range(vocab + 1))
+    edges = [0, 1, 2, 3, 4, 6, 10, 20, 50, 100, 1000]
+    return [e for e in edges if e < vocab] + [vocab]
+
+
+def rank_fit(probs: torch.Tensor, tokens: torch.Tensor, *, min_expected: float = 5.0) -> dict:
+    """Do ``tokens`` follow ``probs``, each token its own distribution? A χ² test on the tokens' ranks.
+
+    ``probs``: (n, vocab), the distribution token i should have been drawn from given everything before it, or
+    (vocab,), one distribution for all; ``tokens`` (n,). Each token is replaced by its rank in its distribution
+    (0 = the most likely), ranks are counted in :func:`rank_bins`, and the counts are compared with their
+    expectation Σᵢ pᵢ(rank bin) through C = Σᵢ (diag πᵢ − πᵢπᵢᵀ), πᵢ the rank-bin probabilities of token i:
+    X = dᵀ C⁻¹ d over all bins but one, compared with χ² on (bins − 1) degrees of freedom (a bin expected to hold
+    fewer than ``min_expected`` tokens is merged into the one before). For independent draws C is their exact
+    covariance. For tokens drawn one after another, each from its distribution given its past, the deviations
+    form a martingale and C is the sum of their conditional covariances: X is χ² asymptotically (the martingale
+    central limit theorem), so the test covers a whole generated sequence, given enough tokens.
+
+    Returns {"n", "bins", "observed", "expected", "stat", "df", "p_value", "impossible"}: ``impossible`` counts
+    tokens of probability zero (any makes ``p_value`` 0); with a single bin nothing can be tested (p_value NaN).
+    """
+    probs = probs.detach().cpu()
+    tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1).cpu()
+    n = tokens.shape[0]
+    shared = probs.dim() == 1
+    rows = probs[None] if shared else probs
+    if rows.dim() != 2 or not (shared or rows.shape[0] == n) or not n:
+        raise ValueError(f"need one distribution per token (or one for all): probs (n, vocab) or (vocab,), tokens "
+                         f"(n,) with n > 0; got {tuple(probs.shape)} and {tuple(tokens.shape)}")
+    vocab = rows.shape[1]
+    p_token = probs[tokens] if shared else rows.gather(1, tokens[:, None]).squeeze(1)
+    impossible = int((p_token <= 0).sum())
+    edges = rank_bins(vocab)
+    values, index = rows.topk(edges[-2], dim=-1)               # the ranked head of each distribution
+    values = values.double()
+    head = [values[:, a:b].sum(1) for a, b in zip(edges[:-2], edges[1:-1])]
+    pi = torch.stack(head + [rows.sum(-1, dtype=torch.float64) - values.sum(1)], 1).clamp_min(0)
+    hit = index == tokens[:, None]                              # (n, head) for each token's own row (or the shared)
+    rank = torch.where(hit.any(1), hit.double().argmax(1), float(edges[-2]))
+    which = torch.bucketize(rank, torch.tensor(edges[1:-1], dtype=torch.double), right=True)
+    weight = torch.full((1,), float(n)) if shared else torch.ones(n)
+    expected_bins = (pi * weight[:, None].double()).sum(0)
+    groups, current = [], []                                    # merge rare bins into the one before
+    for b in range(pi.shape[1]):
+        current.append(b)
+        if expected_bins[current].sum() >= min_expected:
+            groups.append(current)
+            current = []
+    if current:
+        if groups:
+            groups[-1].extend(current)
+        else:
+            groups.append(current)
+    pi = torch.stack([pi[:, g].sum(1) for g in groups], 1)
+    lookup = torch.empty(len(edges) - 1, dtype=torch.long)
+    for gi, g in enumerate(groups):
+        lookup[g] = gi
+    observed = torch.bincount(lookup[which], minlength=len(groups)).double()
+    expected = (pi * weight[:, None].double()).sum(0)
+    out = {"n": n, "bins": [(edges[g[0]], edges[g[-1] + 1]) for g in groups], "observed": observed.tolist(),
+           "expected": expected.tolist(), "impossible": impossible, "df": len(groups) - 1}
+    if len(groups) < 2:
+        return {**out, "stat": math.nan, "p_value": 0.0 if impossible else math.nan}
+    d = (observed - expected)[:-1]
+    cov = (torch.diag(expected) - (pi * weight[:, None].double()).T @ pi)[:-1, :-1]
+    stat = float(d @ torch.linalg.solve(cov, d))
+    p_value = float(torch.special.gammaincc(torch.tensor(out["df"] / 2.0, dtype=torch.float64),
+                                            torch.tensor(stat / 2.0, dtype=torch.float64)))
+    return {**out, "stat": stat, "p_value": 0.0 if impossible else p_value}
+
+
+@torch.no_grad()
+def target_probs_along(target, prompt_ids, tokens: list[int], temperature: float, top_k: int = 0) -> torch.Tensor:
+    """The target's sampling distribution (temperature and top-k applied) for each of ``tokens`` given the prompt
+    and the tokens before it, from one pass without a cache: (len(tokens), vocab) float32 on the CPU."""
+    prompt_ids = _check_run(target, prompt_ids, 1, 1)
+    ids = torch.tensor([prompt_ids + list(tokens)], device=target.device)
+    logits = target(ids, use_cache=False).logits[0, len(prompt_ids) - 1:-1]
+    return sampling_probs(logits, temperature, top_k).cpu()
+
+
+def sampling_fit(target, runs, temperature: float, top_k: int = 0) -> dict:
+    """Does speculative sampling's output follow the target's own sampling distribution?
+
+    ``runs``: (prompt ids, :class:`SpecResult`) pairs from :func:`speculative_sample`. Every token is ranked in
+    the target's distribution given its prompt and everything before it (:func:`target_probs_along`), and
+    :func:`rank_fit` tests the ranks of each group of tokens (:meth:`SpecStats.token_roles`), pooled over the
+    runs. A token's group is known before it is drawn, so each group on its own must follow the target.
+    Returns {group: rank_fit's dict}, in pass order.
+    """
+    probs, tokens, names = [], [], []
+    for prompt_ids, result in runs:
+        probs.append(target_probs_along(target, prompt_ids, result.tokens, temperature, top_k))
+        tokens += result.tokens
+        names += result.stats.token_roles()[:len(result.tokens)]
+    probs, tokens = torch.cat(probs), torch.tensor(tokens)
+    rank = {"prefill": (0, 0), "bonus": (2, 0), "no guess": (3, 0)}
+    order = sorted(set(names), key=lambda x: rank.get(x) or (1, int(x.split()[1])))
+    return {name: rank_fit(probs[[i for i, x in enumerate(names) if x == name]],
+                           tokens[[i for i, x in enumerate(names) if x == name]]) for name in order}
 
 
 # --- what a verification pass costs ---------------------------------------------------------------------

@@ -265,6 +265,66 @@ class StartupReport:
     engine_init_s: float | None
 
 
+@dataclass(frozen=True)
+class ServerSettings:
+    """What a vLLM server's start-up log says it did (None where the log does not say): its version, the precision it
+    computes in, the CPUs its compute threads were bound to and those it kept free, PyTorch's threads per process,
+    the most requests at once, the longest sequence it accepts (``max_model_len``), the most tokens one step may
+    hold (``max_num_batched_tokens``), prefix caching,
+    chunked prefill, and how the model's forward pass runs (``torch.compile`` mode and backend, or eager)."""
+
+    version: str | None
+    dtype: str | None
+    bound_cpus: str | None
+    reserved_cpus: str | None
+    torch_threads: int | None
+    max_num_seqs: int | None
+    max_model_len: int | None
+    token_budget: int | None
+    prefix_caching: bool | None
+    chunked_prefill: bool | None
+    compile_mode: str | None
+    compile_backend: str | None
+    enforce_eager: bool | None
+
+
+def _after(text: str, key: str, stop: str = ",") -> str | None:
+    i = text.find(key)
+    if i < 0:
+        return None
+    rest = text[i + len(key):]
+    j = rest.find(stop)
+    return (rest if j < 0 else rest[:j]).strip().strip("'")
+
+
+def server_settings(log_text: str) -> ServerSettings:
+    """Read what vLLM did from its start-up log: the engine's config line, its OpenMP binding lines and PyTorch's
+    thread count. The token budget is the upper end of the compiled graph's size range, which vLLM sets to
+    ``max_num_batched_tokens``."""
+    import re
+
+    def flag(key):
+        v = _after(log_text, key)
+        return None if v is None else v == "True"
+
+    def number(pattern):
+        m = re.search(pattern, log_text)
+        return int(m.group(1)) if m else None
+
+    threads = number(r"Reducing Torch threads from \d+ to (\d+)")
+    mode = re.search(r"'mode': <CompilationMode\.(\w+)", log_text)
+    ends = re.search(r"'compile_ranges_endpoints': \[([\d, ]*)\]", log_text)
+    budget = max((int(x) for x in ends.group(1).split(",") if x.strip()), default=None) if ends else None
+    return ServerSettings(
+        version=_after(log_text, "Initializing a V1 LLM engine (v", ")"), dtype=_after(log_text, "dtype=torch."),
+        bound_cpus=_after(log_text, "core ids=", "\n"), reserved_cpus=_after(log_text, "reserved_cpus=", "\n"),
+        torch_threads=threads, max_num_seqs=number(r"'max_num_seqs': (\d+)"),
+        max_model_len=number(r"max_seq_len=(\d+)"), token_budget=budget,
+        prefix_caching=flag("enable_prefix_caching="), chunked_prefill=flag("enable_chunked_prefill="),
+        compile_mode=mode.group(1) if mode else None, compile_backend=_after(log_text, "'backend': "),
+        enforce_eager=flag("enforce_eager="))
+
+
 def startup_report(log_text: str) -> StartupReport:
     """Read a vLLM server log (its start-up lines)."""
     init = None
@@ -301,6 +361,39 @@ def bench_serve_args(base_url: str, model_folder: str | Path, served_model_name:
     if goodput:
         args += ["--goodput", *[f"{k}:{v}" for k, v in goodput.items()]]
     return args
+
+
+def write_trace_file(trace, path: str | Path, *, back_to_back: bool = True) -> Path:
+    """A trace as a JSON-lines file in the layout of ``vllm bench serve --dataset-name timed_trace`` (one request a
+    line: ``timestamp`` in s, ``input_length``, ``output_length``), each line also carrying the request's
+    ``prompt_token_ids``, which the helper process (:class:`VllmBench`) hands to vLLM's benchmark in place of the
+    prompts that dataset would synthesise, so that it sends exactly the trace's tokens. ``back_to_back``: every
+    timestamp 0 (with ``--max-concurrency 1`` each request is sent when the one before it has ended)."""
+    rows = []
+    for i, r in enumerate(trace.requests):
+        if isinstance(r.prompt, str):
+            raise ValueError(f"request {i} has a text prompt: the trace file carries token ids only")
+        rows.append(json.dumps({"timestamp": 0.0 if back_to_back else r.arrival_s, "input_length": r.prompt_tokens,
+                                "output_length": r.output_tokens, "hash_ids": [],
+                                "prompt_token_ids": list(r.prompt)}))
+    path = Path(path)
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def bench_trace_args(base_url: str, model_folder: str | Path, served_model_name: str, trace_file: str | Path, *,
+                     num_prompts: int, max_concurrency: int = 1, num_warmups: int = 1,
+                     percentiles=(50, 90, 99)) -> list[str]:
+    """``vllm bench serve`` on a trace file (:func:`write_trace_file`): greedy, EOS ignored, the requests sent at the
+    file's timestamps (``timed_trace`` is self-timed), at most ``max_concurrency`` at once; no initial test request
+    (``--ready-check-timeout-sec 0``), then ``num_warmups`` copies of the trace's first request before its clock
+    starts (as the course client's ``replay(..., warmup=1)``)."""
+    return ["--base-url", base_url.rstrip("/"), "--model", str(model_folder), "--served-model-name", served_model_name,
+            "--tokenizer", str(model_folder), "--dataset-name", "timed_trace", "--dataset-path", str(trace_file),
+            "--num-prompts", str(num_prompts), "--max-concurrency", str(max_concurrency),
+            "--ready-check-timeout-sec", "0", "--num-warmups", str(num_warmups), "--temperature", "0", "--ignore-eos",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", ",".join(str(p) for p in percentiles),
+            "--disable-tqdm"]
 
 
 def records_payload(records, duration_s: float, *, percentiles=(50, 90, 99), goodput: dict | None = None) -> dict:
@@ -457,11 +550,21 @@ def _session_main(out_dir: str, bench_args: list[str]) -> None:
     sys.stdout = sys.stderr                                # vLLM's own prints must not mix with the replies
     parser = argparse.ArgumentParser()
     serve.add_cli_args(parser)
+    probe = parser.parse_args(bench_args) if bench_args else None
+    if probe is not None and probe.dataset_name == "timed_trace":
+        loader = serve.get_samples
+
+        def trace_samples(args, tokenizer):      # vLLM reads the file's timing and lengths; the tokens are the trace's
+            samples = loader(args, tokenizer)
+            lines = [json.loads(l) for l in Path(args.dataset_path).read_text().splitlines() if l.strip()]
+            for s, line in zip(samples, lines):
+                s.prompt, s.prompt_len = list(line["prompt_token_ids"]), len(line["prompt_token_ids"])
+            return samples
+
+        serve.get_samples = trace_samples
     if bench_args:
-        from vllm.benchmarks.datasets import get_samples
         from vllm.tokenizers import get_tokenizer
-        probe = parser.parse_args(bench_args)
-        samples = get_samples(probe, get_tokenizer(probe.tokenizer))
+        samples = serve.get_samples(probe, get_tokenizer(probe.tokenizer))
         Path(out_dir, "prompts.json").write_text(json.dumps({"prompts": [s.prompt for s in samples],
                                                              "prompt_lens": [s.prompt_len for s in samples]}))
     print("@@ready", file=reply, flush=True)

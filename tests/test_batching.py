@@ -223,3 +223,25 @@ def test_time_block_gather_counts_the_copied_bytes(tiny_model):
     blocks = 3 * 3                                             # 21 positions in blocks of 8, three sequences
     assert cost.copied_bytes == dims.num_hidden_layers * blocks * 8 * per_position
     assert cost.step_s > 0 and cost.gather_s > 0 and 0 < cost.share
+
+
+def test_decode_step_grid_times_every_format_batch_and_context_that_fits(tiny_llama):
+    from transformers import DynamicCache
+
+    from course_utils.batching import decode_step_grid
+    from course_utils.kv_quant import KVQuantSpec, QuantizedKVCache
+    seen = []
+
+    def quantized():
+        seen.append(QuantizedKVCache(tiny_llama.config, KVQuantSpec(4, group_size=8)))
+        return seen[-1]
+    caches = {"float": lambda: DynamicCache(config=tiny_llama.config), "int4": quantized}
+    points = decode_step_grid(tiny_llama, (1, 4), (8, 24), caches=caches, max_tokens=40, repeats=2, progress=False)
+    assert {(p.cache, p.batch, p.context) for p in points} == {
+        (c, b, n) for c in caches for b, n in [(1, 8), (4, 8), (1, 24)]}          # 4 x 24 = 96 > 40: skipped
+    assert all(p.step_s > 0 and len(p.samples_s) == 2 for p in points)
+    assert seen[-1].quantized_tokens == 24 and seen[-1].get_seq_length() == 25    # the stored tokens, then one step
+    with pytest.raises(ValueError, match="fits"):
+        decode_step_grid(tiny_llama, (4,), (24,), max_tokens=40, progress=False)
+    with pytest.raises(ValueError, match="caches"):
+        decode_step_grid(tiny_llama, (1,), (8,), caches={"x": 3}, progress=False)

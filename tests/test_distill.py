@@ -313,6 +313,26 @@ def test_quantization_aware_training_lowers_the_loss_to_the_full_precision_model
     assert torch.equal(fake_quantize(w, Scheme("absmax", 2, "row")), w)
 
 
+def test_training_only_the_unquantized_parameters_leaves_the_rounded_weights_as_they_are(teacher):
+    """The control arm of QAT: round-to-nearest weights, and only the norms' gains (and biases) trained."""
+    student = D.student_from_teacher(teacher, [0, 1])
+    data = D.distillation_data(student, _text(), 16, 8)
+    arm = D.copy_student(student)
+    D.quantization_aware(arm, Scheme("absmax", 2, "row"))
+    before = {n: p.detach().clone() for n, p in arm.named_parameters()}
+    D.train_student(arm, data, loss="soft", steps=5, batch_size=2, lr=1e-2, train="unquantized")
+    changed = {n for n, p in arm.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert changed and all("norm" in n for n in changed), changed                 # the gains moved, nothing else
+    assert not any("original" in n or "proj" in n for n in changed)
+    full = D.copy_student(student)                                               # "all": the projections move too
+    D.quantization_aware(full, Scheme("absmax", 2, "row"))
+    D.train_student(full, data, loss="soft", steps=5, batch_size=2, lr=1e-2, train="all")
+    moved = {n for n, p in full.named_parameters() if not torch.equal(p.detach(), before[n])}
+    assert any("original" in n for n in moved)
+    with pytest.raises(ValueError, match="train must be one of"):
+        D.train_student(arm, data, loss="soft", steps=1, train="norms")
+
+
 # --- soft labels -------------------------------------------------------------------------------------------------
 
 class _Tok:

@@ -128,3 +128,10 @@ def test_the_wait_policy_is_named_as_set(monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
     monkeypatch.setenv("GOMP_SPINCOUNT", "1000")
     assert openmp_wait_policy() == "OMP_WAIT_POLICY=PASSIVE, GOMP_SPINCOUNT=1000"
+
+
+def test_touching_parameters_reads_every_weight_and_file_backed_bytes_is_a_count_or_unknown(tiny_llama):
+    from course_utils.measure import file_backed_bytes, touch_parameters
+    touch_parameters(tiny_llama)
+    shared = file_backed_bytes()
+    assert shared is None or (isinstance(shared, int) and 0 <= shared <= rss_bytes())

@@ -1,5 +1,5 @@
 """Chapter 08: speculative decoding is exact (greedy: the target's own tokens; sampling: the target's
-distribution), and the tests can catch wrong acceptance rules."""
+distribution, tested on the real loop), and wrong loops and rules, applied to the real code, fail those tests."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ from course_utils import speculative as S
 from course_utils.reference import compare_tokens, reference_generate
 from course_utils.sampling import total_variation
 
-SIGNIFICANCE = 1e-3        # a correct rule fails the distribution test with this probability (seeds are fixed)
+SIGNIFICANCE = 1e-3        # a correct loop fails a distribution test with at most this probability (seeds are fixed)
 
 
 # --- the formulas --------------------------------------------------------------------------------------
@@ -112,8 +112,12 @@ def test_next_next_head_learns_a_copyable_pattern():
     lm = torch.randn(vocab, d)
     hidden = torch.randn(2000, d)
     labels = torch.tensor([(int(t) + 3) % vocab for t in (hidden @ lm.T).argmax(-1)])
-    head, losses = S.train_next_next_head(hidden, labels, lm, steps=300, batch_size=128, lr=1e-2)
+    head, losses, curve = S.train_next_next_head(hidden, labels, lm, steps=300, batch_size=128, lr=1e-2,
+                                                 heldout=(hidden[:64], labels[:64]), eval_every=100)
     assert losses[-1] < 0.5 * losses[0]
+    assert [step for step, _, _ in curve] == [0, 100, 200, 300]                  # before, every 100 steps, after
+    assert curve[-1][1] < 0.5 * curve[0][1] and curve[-1][2] > curve[0][2]        # held-out loss down, accuracy up
+    assert S.head_loss_and_accuracy(head, hidden[:64], labels[:64]) == pytest.approx(curve[-1][1:])
     untrained = S.NextNextHead(lm)
     assert torch.equal(untrained(hidden).argmax(-1), (hidden @ lm.T).argmax(-1))   # starts as the LM head itself
 
@@ -149,86 +153,159 @@ def test_bad_input(target):
         S.speculative_sample(target, target, [1, 2], 4, 2, temperature=-1.0)
 
 
-# --- sampling: the target's distribution, and wrong rules caught -------------------------------------------
+# --- sampling: the real loop keeps the target's distribution, and wrong loops and rules are caught -----------
+#
+# What is tested: `speculative_sample` itself -- two real models, their KV caches and rollbacks -- at T = 1 and at
+# T = 0.7 with top-k = 4, with a draft that agrees often (a close copy of the target: most passes keep every guess,
+# so the bonus token is drawn often) and one that disagrees often (an unrelated model: many rejections and
+# replacements), at γ = 2 and, once, γ = 3 (a draft cache cut back in the middle of a pass). Ten runs of 250 tokens
+# (2,500 tokens) per case; every token is ranked in the target's own sampling distribution given everything before
+# it, and the ranks of each group of tokens (the j-th token of a pass; the bonus token; SpecStats.token_roles) are
+# tested with `rank_fit`: a chi-square statistic on rank counts, chi-square distributed asymptotically (a
+# martingale central limit theorem: each token follows its distribution given its past). The case's p-value is
+# the smallest group's times the number of groups tested (Bonferroni), compared with SIGNIFICANCE: a correct loop
+# fails a case with probability about 1e-3 at most (the seeds are fixed, so a result is repeatable).
+# Power: each wrong loop and wrong rule in MUTANTS, applied to the real generator by a monkeypatch, must make the
+# same test fail. Checked beyond the fixed seeds: with five other sets of seeds, each mutant was caught in 5 of 5,
+# the least-caught with Bonferroni p-values of at most 2e-11 ("q at another temperature"), 3e-15 ("resample from
+# p") and 5e-88 ("bonus from the draft's q"); the right loop's smallest over twenty cases was 5e-3. Where a
+# mutant's distribution is close to the target's the test has little power: a bonus drawn from the *close*
+# draft's q (T = 1) gave 6e-4 to 6e-2 over six sets of seeds, so that mutant is run with the far draft.
+# "target's p without top-k" is caught by tokens of probability zero (`impossible`), before any chi-square.
 
-def _always_accept(p, q, guess, generator):
-    return True, guess
-
-
-def _resample_from_p(p, q, guess, generator):
-    """Accept with min(1, p/q), but on rejection draw from p itself instead of the residual max(0, p - q)."""
-    u = torch.rand((), generator=generator).item()
-    if u * q[guess] < p[guess]:
-        return True, guess
-    return False, S.sample_token(p, generator)
-
-
-def _chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """P(chi² >= observed) for counts against expected probabilities (cells with zero probability must be empty)."""
-    n = counts.sum()
-    keep = probs > 0
-    assert counts[~keep].sum() == 0, "a token of zero probability came out"
-    expected = n * probs[keep]
-    stat = ((counts[keep] - expected) ** 2 / expected).sum()
-    df = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64), stat.double() / 2))
-
-
-def _toy_tables(vocab=6, seed=0):
-    """Context-dependent target and draft distributions: row = previous token."""
-    g = torch.Generator().manual_seed(seed)
-    p = torch.softmax(torch.randn(vocab, vocab, generator=g) * 1.5, -1)
-    q = torch.softmax(torch.randn(vocab, vocab, generator=g) * 1.5, -1)
-    return p, q
+SAMPLING_VOCAB = 8
+SPEC_RUNS, SPEC_TOKENS, SPEC_GAMMA = 10, 250, 2
 
 
-def _first_two_tokens(rule, n_samples, gamma=2, seed=0):
-    """Run speculative sampling on the toy tables from token 0 until two tokens exist; count the pairs."""
-    p, q = _toy_tables()
-    vocab = p.shape[0]
-    gen = torch.Generator().manual_seed(seed)
-    counts = torch.zeros(vocab * vocab, dtype=torch.float64)
-    for _ in range(n_samples):
-        out, prev = [], 0
-        while len(out) < 2:
-            guesses, qs, ps, last = [], [], [p[prev]], prev
-            for _ in range(gamma):
-                qs.append(q[last])
-                guesses.append(S.sample_token(q[last], gen))
-                last = guesses[-1]
-                ps.append(p[last])
-            kept = S.speculative_sample_step(ps, qs, guesses, gen, rule=rule)
-            out += kept
-            prev = out[-1]
-        counts[out[0] * vocab + out[1]] += 1
-    joint = (p[0][:, None] * p).flatten()              # P(a | 0) P(b | a)
-    return counts, joint
+@pytest.fixture(scope="module")
+def sampling_models():
+    """A target with 8 tokens and peaked distributions (large random weights), a close copy of it and an unrelated
+    model, each one small llama layer."""
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def make(seed):
+        torch.manual_seed(seed)
+        cfg = LlamaConfig(vocab_size=SAMPLING_VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                          initializer_range=0.3)
+        return LlamaForCausalLM(cfg).eval()
+    target = make(0)
+    close = copy.deepcopy(target)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in close.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return {"target": target, "close": close, "far": make(7)}
 
 
-def test_speculative_sampling_keeps_the_targets_distribution():
-    counts, joint = _first_two_tokens(S.modified_rejection, 12000)
-    assert _chi_square_p_value(counts, joint) > SIGNIFICANCE
+def _sampled_runs(models, draft, temperature, top_k, seed, gamma=SPEC_GAMMA):
+    runs = []
+    for s in range(seed * SPEC_RUNS, (seed + 1) * SPEC_RUNS):
+        prompt = [s % SAMPLING_VOCAB, (3 * s + 1) % SAMPLING_VOCAB]
+        runs.append((prompt, S.speculative_sample(models["target"], models[draft], prompt, SPEC_TOKENS, gamma,
+                                                  temperature=temperature, top_k=top_k, seed=s)))
+    return runs
 
 
-@pytest.mark.parametrize("rule", [_always_accept, _resample_from_p], ids=["always accept", "resample from p"])
-def test_the_distribution_test_catches_wrong_rules(rule):
-    counts, joint = _first_two_tokens(rule, 12000)
-    assert _chi_square_p_value(counts, joint) < SIGNIFICANCE, "the test could not tell this rule from the right one"
+def _bonferroni(fit) -> float:
+    tested = [g["p_value"] for g in fit.values() if not math.isnan(g["p_value"])]
+    return min(1.0, min(tested) * len(tested))
+
+
+CASES = {"T=1, close draft": (1.0, 0, "close"), "T=1, far draft": (1.0, 0, "far"),
+         "T=0.7 top-k 4, close draft": (0.7, 4, "close"), "T=0.7 top-k 4, far draft": (0.7, 4, "far")}
+
+
+@pytest.mark.parametrize("case, seed, gamma", [(c, 0, SPEC_GAMMA) for c in CASES] + [
+    ("T=1, close draft", 1, SPEC_GAMMA), ("T=0.7 top-k 4, far draft", 2, SPEC_GAMMA), ("T=1, close draft", 3, 3)])
+def test_speculative_sample_follows_the_targets_distribution(sampling_models, case, seed, gamma):
+    temperature, top_k, draft = CASES[case]
+    runs = _sampled_runs(sampling_models, draft, temperature, top_k, seed, gamma)
+    fit = S.sampling_fit(sampling_models["target"], runs, temperature, top_k)
+    assert fit["bonus"]["n"] >= 40 and fit["position 1"]["n"] >= 400   # the bonus token and the rule both ran
+    assert sum(r.stats.passes - r.stats.full_passes for _, r in runs) >= 100   # ... and rejections happened
+    assert all(g["impossible"] == 0 for g in fit.values()), "a token outside the target's top-k came out"
+    assert _bonferroni(fit) > SIGNIFICANCE, {k: (g["n"], g["p_value"]) for k, g in fit.items()}
+
+
+_STEP, _PROBS, _DRAFT = S.speculative_sample_step, S.sampling_probs, S.draft_guesses
+
+
+def _draft_one_step_further(draft, cache, history, k, temperature, top_k, generator):
+    """The draft's part as the loop runs it, one step further: k guesses, and q at every position up to the bonus's."""
+    guesses, qs = _DRAFT(draft, cache, history, k + 1, temperature, top_k, generator)
+    return guesses[:k], qs
+
+
+def _one_hot_argmax(p):
+    return torch.nn.functional.one_hot(p.argmax(), p.shape[0]).to(p.dtype)
+
+
+def _at_other_temperature(q, factor=2.0):
+    """The draft's distribution at `factor` times the temperature its guess was drawn at (q ∝ exp(l / T))."""
+    x = q.double() ** (1 / factor)
+    return (x / x.sum()).to(q.dtype)
+
+
+# name: (the case that must catch it, {attribute of course_utils.speculative: its wrong replacement})
+MUTANTS = {
+    # the verification pass's logits are (guesses + 1, vocab); the draft's one row: only the target loses top-k
+    "target's p without top-k": ("T=0.7 top-k 4, close draft", {
+        "sampling_probs": lambda logits, t=1.0, k=0: _PROBS(logits, t, 0 if logits.dim() == 2 else k)}),
+    "rule given q at another temperature": ("T=1, close draft", {
+        "speculative_sample_step": lambda ps, qs, g, gen: _STEP(ps, [_at_other_temperature(q) for q in qs], g, gen)}),
+    "bonus token drawn from the draft's q": ("T=1, far draft", {
+        "draft_guesses": _draft_one_step_further,     # the draft's q after the last guess, where the bonus goes
+        "speculative_sample_step": lambda ps, qs, g, gen: _STEP(ps[:-1] + [qs[len(g)]], qs[:len(g)], g, gen)}),
+    "bonus token the argmax of p": ("T=1, close draft", {
+        "speculative_sample_step": lambda ps, qs, g, gen: _STEP(ps[:-1] + [_one_hot_argmax(ps[-1])], qs, g, gen)}),
+    "rule: always accept": ("T=1, far draft", {
+        "acceptance_probability": lambda p, q, g: torch.ones(len(g), dtype=torch.float64)}),
+    "rule: on rejection resample from p": ("T=1, far draft", {
+        "residual_distribution": lambda p, q: p.double()}),
+}
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_each_wrong_loop_and_rule_fails_the_distribution_test(sampling_models, monkeypatch, mutant):
+    case, patch = MUTANTS[mutant]
+    temperature, top_k, draft = CASES[case]
+    with monkeypatch.context() as m:                  # the real generator, with one part replaced by a wrong one
+        for name, wrong in patch.items():
+            m.setattr(S, name, wrong)
+        runs = _sampled_runs(sampling_models, draft, temperature, top_k, 0)
+    fit = S.sampling_fit(sampling_models["target"], runs, temperature, top_k)   # checked with the right parts
+    assert _bonferroni(fit) < SIGNIFICANCE, f"{mutant} passed: {({k: g['p_value'] for k, g in fit.items()})}"
+
+
+def test_the_rule_has_one_implementation(monkeypatch):
+    """A wrong acceptance probability reaches the one-guess rule, the vectorised draws and the model loop's step."""
+    p, q = torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.0, 0.5, 0.5])
+    gen = torch.Generator().manual_seed(0)
+    assert S.modified_rejection(p, q, 1, gen) == (False, 0)            # p(1) = 0: always rejected, replaced by 0
+    monkeypatch.setattr(S, "acceptance_probability", lambda p, q, g: torch.ones(len(g), dtype=torch.float64))
+    assert S.modified_rejection(p, q, 1, gen) == (True, 1)
+    tokens, accepted = S.modified_rejection_draws(p, q, 50, gen)
+    assert bool(accepted.all()) and set(tokens.tolist()) <= {1, 2}
+    assert S.speculative_sample_step([p, p, p], [q, q], [1, 2], gen)[:2] == [1, 2]
 
 
 def test_one_step_acceptance_is_one_minus_total_variation():
-    p, q = _toy_tables()
-    p, q = p[0], q[0]
     gen = torch.Generator().manual_seed(3)
+    p, q = (torch.softmax(torch.randn(6, generator=gen) * 1.5, -1) for _ in range(2))
     accepted = sum(S.modified_rejection(p, q, S.sample_token(q, gen), gen)[0] for _ in range(20000)) / 20000
     assert accepted == pytest.approx(1 - total_variation(p, q), abs=0.015)
 
 
-def test_speculative_sampling_at_temperature_zero_is_greedy(target):
-    prompt = [5, 9, 2, 44, 7]
-    ref, gaps = reference_generate(target, prompt, 16)
-    got = S.speculative_sample(target, S.early_exit_draft(target, 1), prompt, 16, 3, temperature=0.0)
-    assert compare_tokens(got.tokens, ref, gaps).ok
+def test_speculative_sampling_at_temperature_zero_is_greedy_and_reaches_the_bonus(sampling_models):
+    target = sampling_models["target"]
+    for prompt in ([0, 1], [3, 5, 2], [7]):
+        ref, gaps = reference_generate(target, prompt, 40)
+        got = S.speculative_sample(target, sampling_models["close"], prompt, 40, 3, temperature=0.0)
+        assert compare_tokens(got.tokens, ref, gaps).ok
+        assert got.stats.full_passes > 0 and got.stats.full_passes < got.stats.passes   # bonus and rejections ran
 
 
 def test_speculative_sampling_runs_with_top_k(target):
@@ -238,18 +315,41 @@ def test_speculative_sampling_runs_with_top_k(target):
                                  seed=1)
     assert len(got.tokens) == 10 and got.tokens == again.tokens and 0 <= got.stats.acceptance <= 1
     assert not math.isnan(got.stats.tokens_per_pass)
+    assert [n for _, _, n in got.stats.per_pass] and sum(n for _, _, n in got.stats.per_pass) == 9
 
 
 def test_vectorised_draws_follow_p_and_accept_one_minus_tv():
-    p, q = _toy_tables()
-    p, q = p[2].double(), q[2].double()
     gen = torch.Generator().manual_seed(4)
+    p, q = (torch.softmax(torch.randn(6, generator=gen, dtype=torch.float64) * 1.5, -1) for _ in range(2))
     tokens, accepted = S.modified_rejection_draws(p, q, 40000, gen)
-    counts = torch.bincount(tokens, minlength=p.shape[0]).double()
-    assert _chi_square_p_value(counts, p) > SIGNIFICANCE
+    fit = S.rank_fit(p, tokens)
+    assert fit["p_value"] > SIGNIFICANCE and fit["df"] == 5
     assert float(accepted.double().mean()) == pytest.approx(1 - total_variation(p, q), abs=0.01)
-    wrong = torch.bincount(torch.multinomial(q, 40000, replacement=True, generator=gen), minlength=p.shape[0])
-    assert _chi_square_p_value(wrong.double(), p) < SIGNIFICANCE            # the draft's own draws are told apart
+    wrong = torch.multinomial(q, 40000, replacement=True, generator=gen)
+    assert S.rank_fit(p, wrong)["p_value"] < SIGNIFICANCE     # the draft's own draws told apart
+
+
+def test_rank_fit_flags_impossible_tokens_and_bad_shapes():
+    p = torch.tensor([[0.5, 0.5, 0.0]]).expand(100, -1)
+    assert S.rank_fit(p, torch.tensor([0, 1] * 49 + [2, 2]))["impossible"] == 2
+    assert S.rank_fit(p, torch.tensor([0, 1] * 49 + [2, 2]))["p_value"] == 0.0
+    with pytest.raises(ValueError, match="one distribution per token"):
+        S.rank_fit(p, torch.tensor([0, 1]))
+    shared = S.rank_fit(p[0], torch.tensor([0, 1] * 50))           # one distribution for all: the same test
+    assert shared["p_value"] == pytest.approx(S.rank_fit(p, torch.tensor([0, 1] * 50))["p_value"])
+    assert shared["observed"] == [50.0, 50.0] and shared["p_value"] == pytest.approx(1.0)
+
+
+def test_token_roles_mark_each_pass_and_its_bonus():
+    stats = S.SpecStats(2)
+    stats.record(2, 2, 3)          # both guesses kept, then the bonus
+    stats.record(2, 0, 1)          # the first guess rejected: its replacement
+    stats.record(0, 0, 1)          # no guess at all (the run's last token)
+    assert stats.token_roles() == ["prefill", "position 1", "position 2", "bonus", "position 1", "no guess"]
+    assert stats.full_passes == 1
+    assert stats.reached == [2, 1] and stats.accepted == [1, 1]      # guess 2 is checked only after guess 1 is kept
+    assert stats.acceptance_checked == pytest.approx(2 / 3) and stats.acceptance == pytest.approx(2 / 4)
+    assert stats.conditional_acceptance == [0.5, 1.0]
 
 
 def test_lookup_prompt_ids_follow_each_prompts_kind(embedded):
@@ -260,3 +360,21 @@ def test_lookup_prompt_ids_follow_each_prompts_kind(embedded):
     assert S.lookup_prompt_ids(tok, items["raw"]) == token_ids(tok, items["raw"]["text"])[0].tolist()
     with pytest.raises(ValueError, match="kind"):
         S.lookup_prompt_ids(tok, dict(items["raw"], kind="other"))
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_quantized_draft_shares_all_but_its_packed_matrices_and_stays_close(target, kind):
+    draft = S.quantized_draft(target, kind)
+    assert draft.model.embed_tokens.weight is target.model.embed_tokens.weight          # shared, not copied
+    assert not any(isinstance(m, torch.nn.Linear) for m in draft.modules())            # every matrix is packed
+    ids = torch.tensor([[5, 9, 2, 44, 7, 1]])
+    with torch.no_grad():
+        ref, got = target(ids).logits, draft(ids).logits
+    rel = float((got - ref).norm() / ref.norm())
+    assert 0 < rel < (0.05 if kind == "int8" else 0.3), rel                            # lossy, but close
+    prompt = [5, 9, 2, 44, 7, 1, 5, 9]
+    ref_tokens, gaps = reference_generate(target, prompt, 16)
+    got = S.speculative_generate(target, S.DraftModel(draft, target), prompt, 16, 3)
+    assert compare_tokens(got.tokens, ref_tokens, gaps).ok                              # still the target's tokens
+    with pytest.raises(ValueError, match="kind must be one of"):
+        S.quantized_draft(target, "int3")

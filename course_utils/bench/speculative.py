@@ -97,8 +97,8 @@ def _head_rows(ctx, model, tok):
     ids = token_ids(tok, split.train, ctx.sizes(4096, 64))
     t0 = time.perf_counter()
     hidden, labels = next_next_data(model, ids)
-    head, losses = train_next_next_head(hidden, labels, model.get_output_embeddings().weight,
-                                        steps=ctx.sizes(300, 3), time_budget_s=60)
+    head, losses, _ = train_next_next_head(hidden, labels, model.get_output_embeddings().weight,
+                                           steps=ctx.sizes(300, 3), time_budget_s=60)
     train_s = time.perf_counter() - t0
     accepted = proposed = 0
     for i in range(ctx.sizes(2, 1)):

@@ -1,0 +1,74 @@
+"""Chapter 11 -- figures of finished runs (pure functions: nothing is measured again)."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from .client import ReplayResult
+from .metrics import request_metrics
+
+
+def _ms(values) -> list[float]:
+    return [v * 1e3 for v in values]
+
+
+def _ecdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
+    xs = sorted(values)
+    return xs, [(i + 1) / len(xs) for i in range(len(xs))]
+
+
+def latency_cdf_figure(results: dict[str, ReplayResult]):
+    """TTFT and TPOT distributions (empirical CDFs, ms) of each server's run of the same trace, side by side."""
+    from plotly.subplots import make_subplots
+
+    from ..plots import PALETTE, TEMPLATE
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("TTFT", "TPOT"), horizontal_spacing=0.1)
+    medians = {}
+    for (name, res), color in zip(results.items(), PALETTE):
+        ok = [request_metrics(r) for r in res.records if r.success]
+        for col, values in ((1, [m.ttft_s for m in ok]), (2, [m.tpot_s for m in ok if m.tpot_s is not None])):
+            xs, ys = _ecdf(_ms(values))
+            fig.add_scatter(x=xs, y=ys, mode="lines+markers", line_shape="hv", name=name, legendgroup=name,
+                            showlegend=col == 1, line_color=color, row=1, col=col,
+                            hovertemplate="%{x:,.0f} ms: %{y:.0%} of requests<extra>" + name + "</extra>")
+        medians[name] = res.summary().ttft.median
+    fastest = min(medians, key=medians.get)
+    if len(medians) == 1:
+        title = f"{fastest}: median TTFT {medians[fastest] * 1e3:,.0f} ms"
+    else:
+        slowest = max(medians, key=medians.get)
+        title = (f"Same trace: {fastest}'s median TTFT is {medians[fastest] * 1e3:,.0f} ms, {slowest}'s "
+                 f"{medians[slowest] * 1e3:,.0f} ms")
+    fig.update_layout(template=TEMPLATE, height=440, hovermode="closest", title=title,
+                      legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="center", x=0.5))
+    fig.update_xaxes(title="time to first token (ms)", row=1, col=1)
+    fig.update_xaxes(title="time per output token (ms)", row=1, col=2)
+    fig.update_yaxes(title="fraction of requests", range=[0, 1.02], row=1, col=1)
+    return fig
+
+
+def timeline_figure(results: dict[str, ReplayResult], *, max_requests: int = 16):
+    """When each token arrived (s after the run started), one row per request, for each server: queueing,
+    prefill and the rhythm of decode steps made visible."""
+    from plotly.subplots import make_subplots
+
+    from ..plots import PALETTE, TEMPLATE
+
+    fig = make_subplots(rows=len(results), cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                        subplot_titles=list(results))
+    for row, (name, res) in enumerate(results.items(), start=1):
+        shown = res.records[:max_requests]
+        fig.add_scatter(x=[r.start_s for r in shown], y=[r.index for r in shown], mode="markers", name="sent",
+                        marker=dict(symbol="line-ns-open", size=12, color=PALETTE[5]), showlegend=row == 1,
+                        legendgroup="sent", row=row, col=1)
+        xs, ys = [], []
+        for r in shown:
+            xs += [r.start_s + t for t in r.chunk_s] + [None]
+            ys += [r.index] * len(r.chunk_s) + [None]
+        fig.add_scatter(x=xs, y=ys, mode="markers+lines", name="a streamed chunk", line=dict(width=1, color=PALETTE[0]),
+                        marker=dict(size=4, color=PALETTE[0]), showlegend=row == 1, legendgroup="chunk", row=row, col=1)
+        fig.update_yaxes(title="request", autorange="reversed", row=row, col=1)
+    fig.update_xaxes(title="seconds since the run started", row=len(results), col=1)
+    fig.update_layout(template=TEMPLATE, height=260 * len(results) + 120, hovermode="closest",
+                      title=f"Token arrivals of the first {max_requests} requests: a mark when sent, a dot per chunk")
+    return fig

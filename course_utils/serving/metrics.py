@@ -1,0 +1,174 @@
+"""Chapter 11 -- what the client records per request, and the metrics of a run as ``vllm bench serve`` defines them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from ..prefill_decode import inter_token_gaps_s, tpot_s, ttft_s
+from ..validation import check_finite, check_positive_int
+
+#: The percentiles every summary reports (p99 always beside its sample size).
+PERCENTILES = (50, 90, 99)
+#: How vLLM converts an SLO in milliseconds to seconds (kept identical so goodput agrees to the request).
+MS_PER_S = 1000
+
+
+# --- what the client records --------------------------------------------------------------------------------------
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it.
+
+    ``start_s``: when it was sent (s after the run started); ``chunk_s``: when each streamed chunk
+    that carried output arrived (s after the request was sent); ``output_tokens``: the server's
+    ``usage.completion_tokens`` (or, without it, the token ids counted); ``error``: why it failed
+    (None when it succeeded).
+    """
+
+    index: int
+    prompt_tokens: int
+    requested_tokens: int
+    start_s: float
+    chunk_s: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    output_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def success(self) -> bool:
+        return self.error is None and bool(self.chunk_s)
+
+
+@dataclass(frozen=True)
+class RequestMetrics:
+    """One successful request's metrics (seconds). ``tpot_s`` is None for a one-token answer (vLLM leaves it out)."""
+
+    ttft_s: float
+    tpot_s: float | None
+    e2el_s: float
+    itl_s: tuple[float, ...]
+    output_tokens: int
+
+
+def request_metrics(record: RequestRecord) -> RequestMetrics:
+    """TTFT, TPOT, ITL and E2EL of one successful request, from its chunk arrival times.
+
+    E2EL is the last chunk's arrival, as in vLLM's client. With one chunk there are no gaps; a
+    one-chunk answer of several tokens has TPOT 0.
+    """
+    if not record.success:
+        raise ValueError(f"request {record.index} did not succeed ({record.error or 'no output'}): it has no metrics")
+    n = record.output_tokens
+    check_positive_int(f"the output tokens of request {record.index}", n)
+    t = record.chunk_s
+    if len(t) >= 2:
+        ttft, itl = ttft_s(t), tuple(inter_token_gaps_s(t))
+        tpot = tpot_s(t, n_tokens=n) if n > 1 else None
+    else:
+        ttft, itl = check_finite(f"the chunk time of request {record.index}", t[0], minimum=0.0), ()
+        tpot = 0.0 if n > 1 else None
+    return RequestMetrics(ttft, tpot, float(t[-1]), itl, n)
+
+
+# --- the metrics of a run ------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Distribution:
+    """Summary of one metric's values (seconds): numpy's mean, median, population std and linear percentiles."""
+
+    n: int
+    mean: float
+    median: float
+    std: float
+    percentiles: dict[float, float]
+
+    def p(self, q: float) -> float:
+        return self.percentiles[q]
+
+
+def distribution(values: Sequence[float], percentiles: Sequence[float] = PERCENTILES) -> Distribution:
+    """Mean, median, std and percentiles of ``values``, computed as vLLM does (an empty list counts as [0])."""
+    data = list(values) or 0
+    return Distribution(len(values), float(np.mean(data)), float(np.median(data)), float(np.std(data)),
+                        {q: float(np.percentile(data, q)) for q in percentiles})
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Service-level objectives in milliseconds (None: no objective on that metric)."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    e2el_ms: float | None = None
+
+    def __post_init__(self):
+        for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
+            v = getattr(self, name)
+            if v is not None:
+                check_finite(f"SLO {name}", v, minimum=0.0, strict=True)
+
+    def as_dict(self) -> dict[str, float]:
+        """The objectives as ``vllm bench serve --goodput`` takes them: ``{"ttft": ms, "tpot": ms, ...}``."""
+        return {k.removesuffix("_ms"): v for k, v in vars(self).items() if v is not None}
+
+    def __str__(self) -> str:
+        return " and ".join(f"{k.upper()} ≤ {v:g} ms" for k, v in self.as_dict().items()) or "no objective"
+
+
+def meets_slo(m: RequestMetrics, slo: SLO) -> bool:
+    """Whether one request met every objective (a one-token answer counts TPOT as 0, as vLLM does)."""
+    values = {"ttft": m.ttft_s, "tpot": m.tpot_s or 0.0, "e2el": m.e2el_s}
+    return all(limit / MS_PER_S >= values[k] for k, limit in slo.as_dict().items())
+
+
+@dataclass(frozen=True)
+class ServingSummary:
+    """The aggregate metrics of one run, as ``vllm bench serve`` reports them (seconds, tokens, requests/s)."""
+
+    completed: int
+    failed: int
+    duration_s: float
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    ttft: Distribution
+    tpot: Distribution
+    itl: Distribution
+    e2el: Distribution
+    slo: SLO | None
+    good_requests: int
+    request_goodput: float
+
+
+def summarize(records: Sequence[RequestRecord], duration_s: float, *, slo: SLO | None = None,
+              percentiles: Sequence[float] = PERCENTILES) -> ServingSummary:
+    """Aggregate a run's records (in trace order) over ``duration_s`` (the run's wall-clock time)."""
+    check_finite("duration_s", duration_s, minimum=0.0, strict=True)
+    ok = [r for r in records if r.success]
+    metrics = [request_metrics(r) for r in ok]
+    ttfts = [m.ttft_s for m in metrics]
+    tpots = [m.tpot_s for m in metrics if m.tpot_s is not None and m.output_tokens > 1]
+    itls = [g for m in metrics for g in m.itl_s]
+    e2els = [m.e2el_s for m in metrics]
+    total_in = sum(r.prompt_tokens for r in ok)
+    total_out = sum(r.output_tokens for r in ok)
+    good = sum(meets_slo(m, slo) for m in metrics) if slo is not None and slo.as_dict() else 0
+    return ServingSummary(
+        completed=len(ok), failed=len(records) - len(ok), duration_s=duration_s, total_input_tokens=total_in,
+        total_output_tokens=total_out, request_throughput=len(ok) / duration_s,
+        output_throughput=total_out / duration_s, total_token_throughput=(total_in + total_out) / duration_s,
+        ttft=distribution(ttfts, percentiles), tpot=distribution(tpots, percentiles),
+        itl=distribution(itls, percentiles), e2el=distribution(e2els, percentiles),
+        slo=slo, good_requests=good, request_goodput=good / duration_s)
+
+
+def goodput(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> float:
+    """Requests per second that met every objective of ``slo``."""
+    return summarize(records, duration_s, slo=slo).request_goodput

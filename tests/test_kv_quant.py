@@ -1,0 +1,53 @@
+"""The quantized KV cache holds its numbers at their bits (chapters 07 and 10)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from course_utils.kv_quant import KVQuantSpec, QuantizedKVCache, StoredKV, fake_quantize_kv
+from course_utils.memory_sizing import kv_cache_bytes
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stored_codes_give_back_exactly_the_fake_quantized_numbers(bits, axis, dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(3, 2, 40, 24) * 3).to(dtype)             # 40 tokens, 24 channels: groups of 16 pad on both axes
+    spec = KVQuantSpec(bits, group_size=16)
+    stored = StoredKV.store(x, spec, axis)
+    assert stored.codes.dtype == torch.uint8 and stored.step.dtype == torch.float16
+    back = stored.load(dtype)
+    assert back.dtype == dtype and torch.equal(back, fake_quantize_kv(x, spec, axis))
+    picked = stored.select(torch.tensor([2, 0]))
+    assert torch.equal(picked.load(dtype), back[[2, 0]])
+
+
+@pytest.mark.parametrize("bits,held", [(2, 2.5), (3, 4.5), (4, 4.5), (8, 8.5)])
+def test_held_bits_count_the_code_slot_step_and_minimum(bits, held):
+    assert KVQuantSpec(bits, 64).held_bits_per_element == held
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_cache_holds_what_the_formula_counts(tiny_llama, bits):
+    spec = KVQuantSpec(bits, group_size=8)
+    cache = QuantizedKVCache(tiny_llama.config, spec)
+    ids = torch.randint(0, tiny_llama.config.vocab_size, (2, 32))
+    with torch.no_grad():
+        tiny_llama(ids, cache=cache)
+    assert cache.quantized_tokens == 32
+    assert cache.stored_bytes() == kv_cache_bytes(tiny_llama.config, 64, spec.held_bits_per_element)
+    # a float cache of the same tokens holds several times more: the formula at float32 would not match
+    assert kv_cache_bytes(tiny_llama.config, 64, "fp32") > 2.5 * cache.stored_bytes()
+
+
+def test_a_quantized_cache_can_be_reordered_for_beam_search(tiny_llama):
+    cache = QuantizedKVCache(tiny_llama.config, KVQuantSpec(4, group_size=8))
+    ids = torch.randint(0, tiny_llama.config.vocab_size, (2, 19))
+    with torch.no_grad():
+        tiny_llama(ids, cache=cache)
+    before = [layer.q_keys.clone() for layer in cache.layers]
+    for layer in cache.layers:
+        layer.batch_repeat_interleave(2)
+    assert all(torch.equal(layer.q_keys, b.repeat_interleave(2, dim=0)) for layer, b in zip(cache.layers, before))
+    assert cache.layers[0].keys.shape[0] == 4 and cache.get_seq_length() == 19
