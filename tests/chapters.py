@@ -61,11 +61,14 @@ def reduced_parameters(chapter: Path, model: str) -> dict:
 def published_build(folder: Path, model_path: str) -> Path:
     """A main job's output folder as chapter 10 reads it: executed chapters 07 and 08 holding the figures they
     publish (:func:`course_utils.figures.publish`), for the model at ``model_path``. The figures are made up
-    (plausible sizes); what is tested is the path that reads them back."""
+    (plausible sizes); what is tested is the path that reads them back. They are marked as measured on this
+    machine (:func:`course_utils.notebook.machine_summary`, as chapter 08 marks its timings): chapter 10 uses
+    timings only from the machine it runs on."""
     import json
 
     from course_utils.figures import FIGURES_KEY, model_key
     from course_utils.models import load_model
+    from course_utils.notebook import machine_summary
     model, _ = load_model(model_path, dtype="float32", device="cpu", verbose=False)
     key = model_key(model)
     del model
@@ -89,7 +92,7 @@ def published_build(folder: Path, model_path: str) -> Path:
         nb = nbformat.v4.new_notebook()
         cell = nbformat.v4.new_code_cell("publish(...)")
         cell.outputs = [nbformat.v4.new_output("display_data", data={"text/markdown": "kept"},
-                                               metadata={FIGURES_KEY: {"name": fig, "machine": "a test", "data": data}})]
+                                               metadata={FIGURES_KEY: {"name": fig, "machine": machine_summary("cpu"), "data": data}})]
         nb.cells = [cell]
         nb.metadata["papermill"] = {"end_time": "2026-12-01T00:00:00", "exception": None}
         (out / f"{name}.ipynb").write_text(json.dumps(nb))
