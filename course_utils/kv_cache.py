@@ -360,6 +360,19 @@ def power_law_slope(x, y) -> float:
     return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sxx
 
 
+#: How a fitted exponent reads, as (upper bound, reading): 0.5 is not 1, and 1 is not 2.
+GROWTH_READINGS = ((0.8, "more slowly than n"), (1.25, "about like n"), (1.75, "between n and n²"),
+                   (2.25, "about like n²"), (math.inf, "faster than n²"))
+
+
+def growth_reading(slope: float) -> str:
+    """Words for a fitted exponent k of y ~ x**k (chapter 01): below 0.8 "more slowly than n",
+    up to 1.25 "about like n", up to 1.75 "between n and n²", up to 2.25 "about like n²", beyond "faster than n²"."""
+    if isinstance(slope, bool) or not isinstance(slope, (int, float)) or not math.isfinite(slope):
+        raise ValueError(f"slope must be a finite number (a fitted exponent), got {slope!r}")
+    return next(reading for upper, reading in GROWTH_READINGS if slope < upper)
+
+
 def local_slopes(x, y) -> list[float]:
     """The exponent between each pair of neighbouring points: log(y1 / y0) / log(x1 / x0), len(x) - 1 values.
 

@@ -12,9 +12,10 @@ The roofline puts both phases on one chart: a pass needs ``flops`` operations an
 product) and a memory roof (bytes/s) it takes at least ``max(flops / peak, bytes / bandwidth)``
 (:func:`roofline_s`). Which roof binds depends on the arithmetic intensity, FLOP per byte
 (:func:`arithmetic_intensity`): below the ridge (:func:`ridge_intensity`) memory sets the
-floor, above it compute. :func:`forward_flops` and :func:`prefill_bytes` /
-:func:`decode_step_bytes` give a pass's two counts; chapter 04 uses the same functions for
-a batch of decode steps.
+floor, above it compute. :func:`prefill_flops` / :func:`forward_flops` and :func:`prefill_bytes` /
+:func:`decode_step_bytes` give a pass's two counts, each for the pass as it is timed (the
+prefill keeps the last position's logits only); chapter 04 uses the same functions for a batch
+of decode steps.
 
 The serving metrics are computed from the arrival times of a streamed generation, with the
 definitions serving benchmarks (vLLM's ``benchmarks/serve.py``) use:
@@ -38,7 +39,8 @@ import torch
 from transformers import DynamicCache
 from transformers.generation.streamers import BaseStreamer
 
-from .kv_cache import attention_macs, decode_one_token, prefill, weight_macs_per_token
+from .kv_cache import (_last_logits_kwargs, attention_macs, decode_one_token, lm_head_macs, prefill,
+                       weight_macs_per_token)
 from .measure import Timing, synchronize, time_call
 from .models import model_dims
 from .progress import progress_bar
@@ -180,20 +182,38 @@ def prefill_bytes(model, prompt_tokens: int, *, batch: int = 1) -> int:
     return decode_step_bytes(model, 0, batch=batch * prompt_tokens) + written
 
 
-def forward_flops(model, new_tokens: int, context_tokens: int = 0, *, batch: int = 1) -> int:
+def forward_flops(model, new_tokens: int, context_tokens: int = 0, *, batch: int = 1,
+                  last_logits_only: bool = False, causal: bool = False) -> int:
     """Floating-point operations (2 per multiply-accumulate) of one forward pass (chapter 02).
 
     ``new_tokens`` tokens per sequence through every weight matrix, each attending to
-    ``context_tokens`` cached positions plus the new ones (the full rectangle, as the kernels
-    compute it); ``batch`` sequences. Prefill: ``forward_flops(model, P)``; a decode step at
-    context C: ``forward_flops(model, 1, C)``. Equals twice chapter 01's ``step_macs``.
+    ``context_tokens`` cached positions plus the new ones; ``batch`` sequences. By default every
+    position gets its logits and attention is the full rectangle (what eager attention computes).
+    ``last_logits_only``: the LM head runs for the last position only (``logits_to_keep=1``);
+    ``causal``: only the query-key pairs the causal mask keeps. A decode step at context C:
+    ``forward_flops(model, 1, C)`` (one position, so both options change nothing). The prefill
+    that chapter 02 times: :func:`prefill_flops`. Equals twice chapter 01's ``step_macs``.
     """
     check_positive_int("new_tokens", new_tokens)
     check_non_negative_int("context_tokens", context_tokens)
     check_positive_int("batch", batch)
     dims = model_dims(model.config)
-    macs = new_tokens * weight_macs_per_token(model) + attention_macs(new_tokens, context_tokens + new_tokens, dims)
-    return 2 * batch * macs
+    head = (new_tokens - 1) * lm_head_macs(dims) if last_logits_only else 0
+    attention = attention_macs(new_tokens, context_tokens + new_tokens, dims, causal=causal)
+    return 2 * batch * (new_tokens * weight_macs_per_token(model) - head + attention)
+
+
+def prefill_flops(model, prompt_tokens: int, *, batch: int = 1, causal: bool = True) -> int:
+    """FLOPs of the prefill that chapter 01's :func:`~course_utils.kv_cache.prefill` runs (chapter 02).
+
+    Every prompt token through the weight matrices, the LM head for the last position only (the
+    pass asks for ``logits_to_keep=1`` where the model accepts it), and attention over the
+    query-key pairs the causal mask keeps (``causal=True``: what a kernel that skips the masked
+    half must compute at least) or over the full P x P rectangle (``causal=False``: what eager
+    attention computes, an upper bound for any kernel).
+    """
+    last_only = bool(_last_logits_kwargs(model))
+    return forward_flops(model, prompt_tokens, batch=batch, last_logits_only=last_only, causal=causal)
 
 
 def arithmetic_intensity(flops: float, bytes_moved: float) -> float:
@@ -261,24 +281,28 @@ class TokenClock(BaseStreamer):
 
     ``generate`` first passes the prompt, then each new token (batch 1); times are seconds
     since ``t0`` (``time.perf_counter``). The hand-over follows a device-to-host copy, so
-    on a GPU the token really exists when its time is taken.
+    on a GPU the token really exists when its time is taken. ``cpu_s`` records, at each
+    arrival, the CPU seconds this process has used so far (``time.process_time``, all its
+    threads): between two tokens, CPU seconds over wall seconds is how many cores it kept busy.
     """
 
     def __init__(self, t0: float):
         self.t0 = t0
         self.arrival_s: list[float] = []
+        self.cpu_s: list[float] = []
         self.token_ids: list[int] = []
         self.end_s: float | None = None
         self._seen_prompt = False
 
     def put(self, value):
-        now = time.perf_counter() - self.t0
+        now, cpu = time.perf_counter() - self.t0, time.process_time()
         if not self._seen_prompt:
             self._seen_prompt = True
             return
         ids = value.reshape(-1).tolist()
         self.token_ids += ids
         self.arrival_s += [now] * len(ids)
+        self.cpu_s += [cpu] * len(ids)
 
     def end(self):
         self.end_s = time.perf_counter() - self.t0
@@ -286,13 +310,17 @@ class TokenClock(BaseStreamer):
 
 @dataclass
 class StreamRecord:
-    """A streamed generation: arrival time of every new token (s since the request was sent)."""
+    """A streamed generation: arrival time of every new token (s since the request was sent).
+
+    ``cpu_s``: the process's CPU seconds at each arrival (see :class:`TokenClock`), empty if not recorded.
+    """
 
     prompt_tokens: int
     token_ids: list[int]
     arrival_s: list[float]
     end_s: float
     text: str = ""
+    cpu_s: list[float] = field(default_factory=list)
 
 
 @torch.no_grad()
@@ -312,7 +340,7 @@ def stream_generate(model, tokenizer, user_message: str, max_new_tokens: int) ->
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                    min_new_tokens=max_new_tokens, do_sample=False, streamer=clock, pad_token_id=pad_id)
     return StreamRecord(ids.shape[1], clock.token_ids, clock.arrival_s, clock.end_s,
-                        tokenizer.decode(clock.token_ids, skip_special_tokens=True))
+                        tokenizer.decode(clock.token_ids, skip_special_tokens=True), clock.cpu_s)
 
 
 # --- serving metrics (pure) ---------------------------------------------------------------------
@@ -338,6 +366,23 @@ def ttft_s(arrival_s) -> float:
 def inter_token_gaps_s(arrival_s) -> list[float]:
     """ITL: every gap between consecutive tokens (n - 1 values)."""
     return np.diff(_check_arrivals(arrival_s)).tolist()
+
+
+def cores_busy_per_gap(arrival_s, cpu_s) -> list[float]:
+    """For each gap between consecutive tokens: the process's CPU seconds over the gap's wall seconds.
+
+    ``cpu_s``: the process's CPU time at each arrival (:attr:`TokenClock.cpu_s`). About the number
+    of threads while the process computes throughout a gap; lower when it spent part of the gap
+    waiting (descheduled, or blocked), which is time that went to something outside it.
+    """
+    t = _check_arrivals(arrival_s)
+    c = np.asarray(list(cpu_s), dtype=float)
+    if c.shape != t.shape or not np.all(np.isfinite(c)) or np.any(np.diff(c) < 0):
+        raise ValueError(f"cpu_s must hold one non-decreasing CPU time per arrival ({t.size}), got {c.size} values")
+    wall = np.diff(t)
+    if np.any(wall <= 0):
+        raise ValueError("every gap must last some time to divide by it; two arrivals share a timestamp")
+    return (np.diff(c) / wall).tolist()
 
 
 def tpot_s(arrival_s, end_s: float | None = None, *, n_tokens: int | None = None) -> float:

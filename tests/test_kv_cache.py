@@ -231,6 +231,21 @@ def test_power_law_slopes():
         power_law_slope([2, 2], [1, 2])
 
 
+def test_growth_reading_tells_half_from_one_from_two():
+    from course_utils.kv_cache import growth_reading
+    assert growth_reading(0.51) == "more slowly than n"          # a step paid for by reading the weights, not "like n"
+    assert growth_reading(1.0) == "about like n"
+    assert growth_reading(1.5) == "between n and n²"
+    assert growth_reading(1.97) == growth_reading(2.0) == "about like n²"
+    assert growth_reading(2.6) == "faster than n²"
+    # the step times of a recomputed step that grew 4.1x over 16x the context (MACs about 17x) read as sublinear
+    contexts, step_ms = [16, 32, 64, 128, 256], [54.6, 63.0, 85.0, 130.0, 225.7]
+    assert growth_reading(power_law_slope(contexts, step_ms)) == "more slowly than n"
+    for bad in (float("nan"), float("inf"), "1", None, True):
+        with pytest.raises(ValueError, match="finite number"):
+            growth_reading(bad)
+
+
 def test_scaling_figure_labels_fitted_slopes_and_draws_guides():
     x = [1, 2, 4]
     fig = scaling_figure(x, {"a": [1, 4, 16], "b": [2, 4, 8]}, title="t", x_title="n", y_title="ms")

@@ -147,6 +147,18 @@ def test_token_clock_skips_the_prompt():
     clock.end()
     assert clock.token_ids == [8, 9] and len(clock.arrival_s) == 2
     assert clock.arrival_s[0] <= clock.arrival_s[1] <= clock.end_s
+    assert len(clock.cpu_s) == 2 and clock.cpu_s[0] <= clock.cpu_s[1]
+
+
+def test_cores_busy_per_gap_is_cpu_seconds_over_wall_seconds():
+    arrivals, cpu = [0.5, 0.6, 0.9], [1.0, 1.2, 1.35]        # 2 cores busy, then 0.15 CPU s over 0.3 s
+    assert pd.cores_busy_per_gap(arrivals, cpu) == pytest.approx([2.0, 0.5])
+    with pytest.raises(ValueError, match="one non-decreasing CPU time per arrival"):
+        pd.cores_busy_per_gap(arrivals, cpu[:2])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        pd.cores_busy_per_gap(arrivals, [1.0, 0.9, 1.0])
+    with pytest.raises(ValueError, match="share a timestamp"):
+        pd.cores_busy_per_gap([0.5, 0.5, 0.9], cpu)
 
 
 def test_stream_generate_times_the_greedy_tokens(embedded):
@@ -157,6 +169,7 @@ def test_stream_generate_times_the_greedy_tokens(embedded):
     assert record.token_ids == greedy_cached(model, ids, 5)[0].tolist()
     assert len(record.arrival_s) == 5 and record.arrival_s == sorted(record.arrival_s)
     assert record.arrival_s[-1] <= record.end_s
+    assert len(record.cpu_s) == 5 and record.cpu_s == sorted(record.cpu_s)
     m = pd.stream_metrics(record.arrival_s, record.end_s)
     assert m.n_tokens == 5 and 0 < m.ttft_s <= m.e2e_s
 
@@ -187,6 +200,43 @@ def test_forward_flops_are_twice_the_mac_formula_and_the_flop_counter(tiny_model
     for bad in [(0, 0), (1, -1)]:
         with pytest.raises(ValueError):
             pd.forward_flops(tiny_model, *bad)
+
+
+def test_prefill_flops_count_the_pass_that_is_timed(tiny_model):
+    """The prefill timed in chapter 02 keeps the last position's logits: its count must match that pass, not
+    a forward pass that computes every position's logits."""
+    from transformers import DynamicCache
+
+    from course_utils.kv_cache import attention_macs, counted_macs, lm_head_macs, prefill
+    dims, p = model_dims(tiny_model.config), 9
+    ids = torch.arange(1, p + 1).unsqueeze(0)
+    counted = 2 * counted_macs(tiny_model, lambda: prefill(tiny_model, ids, DynamicCache(config=tiny_model.config)))
+    assert counted == pd.prefill_flops(tiny_model, p, causal=False)       # eager attention: the full rectangle
+    assert pd.forward_flops(tiny_model, p) - counted == 2 * (p - 1) * lm_head_macs(dims)   # all logits: not what is timed
+    masked_pairs = p * (p - 1) // 2
+    assert pd.prefill_flops(tiny_model, p, causal=False) - pd.prefill_flops(tiny_model, p) == \
+        2 * attention_macs(1, 1, dims) * masked_pairs
+    assert pd.prefill_flops(tiny_model, p, batch=2) == 2 * pd.prefill_flops(tiny_model, p)
+    assert pd.forward_flops(tiny_model, 1, 8, last_logits_only=True, causal=True) == pd.forward_flops(tiny_model, 1, 8)
+    with pytest.raises(ValueError):
+        pd.prefill_flops(tiny_model, 0)
+
+
+def test_the_timed_prefill_asks_sdpa_for_a_causal_kernel(tiny_model, monkeypatch):
+    """Counting only the unmasked pairs assumes the kernel is told the mask is causal (it can then skip blocks)."""
+    from transformers import DynamicCache
+
+    from course_utils.kv_cache import prefill
+    if tiny_model.config._attn_implementation != "sdpa":
+        pytest.skip("the model does not use scaled_dot_product_attention")
+    seen, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("is_causal"), kwargs.get("attn_mask")))
+        return sdpa(*args, **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    prefill(tiny_model, torch.arange(1, 10).unsqueeze(0), DynamicCache(config=tiny_model.config))
+    assert seen and all(causal is True and mask is None for causal, mask in seen)
 
 
 def test_prefill_bytes_are_weights_once_rows_and_the_keys_values_written(tiny_model):
