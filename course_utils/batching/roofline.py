@@ -1,0 +1,81 @@
+"""The sweep as chapter 02's roofline predicts it from the machine's two roofs, and a step's FLOP per byte from a
+model's shape alone."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..validation import check_positive_int
+from .sweep import _check_batch_sizes
+
+
+@dataclass(frozen=True)
+class RooflinePoint:
+    """The roofline's floor for one decode step of ``batch`` sequences: its arithmetic at the compute
+    roof and its bytes at the memory roof (seconds); the step takes at least the larger."""
+
+    batch: int
+    compute_s: float
+    memory_s: float
+
+    @property
+    def step_s(self) -> float:
+        return max(self.compute_s, self.memory_s)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.batch / self.step_s
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+def roofline_sweep(model, batch_sizes, *, context_len: int, peak_flops: float,
+                   bandwidth_Bps: float) -> list[RooflinePoint]:
+    """The sweep as the roofline predicts it: for each B, :func:`~course_utils.prefill_decode.forward_flops`
+    of one new token per sequence over ``context_len`` cached ones, and
+    :func:`~course_utils.prefill_decode.decode_step_bytes` (weights once, every sequence's cache),
+    against the two measured roofs (chapter 02)."""
+    from ..prefill_decode import decode_step_bytes, forward_flops, ridge_intensity
+
+    ridge_intensity(peak_flops, bandwidth_Bps)                      # validates both roofs
+    check_positive_int("context_len", context_len)
+    return [RooflinePoint(b, forward_flops(model, 1, context_len, batch=b) / peak_flops,
+                          decode_step_bytes(model, context_len, batch=b) / bandwidth_Bps)
+            for b in _check_batch_sizes(batch_sizes)]
+
+
+def roofline_crossover_batch(model, *, context_len: int, peak_flops: float, bandwidth_Bps: float,
+                             max_batch: int = 1 << 16) -> int | None:
+    """The smallest batch whose decode step the roofline calls compute-bound (arithmetic time >= memory
+    time), or None if none up to ``max_batch`` is (the caches' bytes grow with B as fast as the FLOPs)."""
+    def compute_bound(b: int) -> bool:
+        p = roofline_sweep(model, [b], context_len=context_len, peak_flops=peak_flops, bandwidth_Bps=bandwidth_Bps)[0]
+        return p.compute_s >= p.memory_s
+
+    if not compute_bound(max_batch):
+        return None
+    lo, hi = 1, max_batch                     # compute time grows faster with B than memory time: bisect
+    if compute_bound(lo):
+        return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if compute_bound(mid) else (mid, hi)
+    return hi
+
+
+def decode_intensity(dims, n_weights: int, *, bytes_per_weight: float, batch: int, context_len: int) -> float:
+    """FLOP per byte of one decode step from a model's shape alone (chapter 02's roofline x axis).
+
+    ``n_weights``: the weights the step multiplies (every matrix, the LM head included, once);
+    ``dims``: a :class:`~course_utils.models.ModelDims`. FLOPs: 2 per weight per sequence plus the
+    attention over ``context_len + 1`` positions; bytes: the weights once plus every sequence's
+    keys and values, all at ``bytes_per_weight``. Norms, biases and activations are left out.
+    """
+    from ..kv_cache import attention_macs
+
+    check_positive_int("batch", batch)
+    check_positive_int("n_weights", n_weights)
+    flops = 2 * batch * (n_weights + attention_macs(1, context_len + 1, dims))
+    moved = (n_weights + batch * context_len * dims.kv_elements_per_token) * bytes_per_weight
+    return flops / moved
