@@ -7,7 +7,9 @@
   sampled by a background thread while the call runs (portable: ``psutil``).
 * :func:`measure_bandwidth` -- bytes per second of a large read on this machine (the memory
   roof; :func:`bandwidth_samples_Bps` keeps every run, for the spread);
-* :func:`measure_matmul_flops` -- FLOP/s of a large matrix product (the compute roof);
+* :func:`measure_matmul_flops` -- FLOP/s of a large matrix product; :func:`measure_compute_roof` /
+  :func:`compute_roof_flops` -- the compute roof as chapters 02 and 04 both take it (the best of three
+  such measurements);
 * :func:`openmp_wait_policy` -- how idle worker threads wait, named beside every speed figure.
 """
 from __future__ import annotations
@@ -301,3 +303,33 @@ def measure_matmul_flops(*, n: int = 1024, dtype=torch.float32, device="cpu", re
     b = torch.randn(n, n, generator=gen).to(dev, dtype)
     t = time_call(lambda: a @ b, warmup=1, repeats=repeats, device=dev)
     return 2 * n ** 3 / t.median_s
+
+
+@dataclass(frozen=True)
+class ComputeRoof:
+    """The compute roof: the FLOP/s of each of ``rounds`` measurements (each the median of its timed runs of an
+    ``n x n`` product) and the roof itself, the best of them (a roof is what the machine can do)."""
+
+    samples_flops: tuple[float, ...]
+    n: int
+    repeats: int
+
+    @property
+    def flops(self) -> float:
+        return max(self.samples_flops)
+
+
+def measure_compute_roof(*, n: int = 1024, dtype=torch.float32, device="cpu", rounds: int = 3,
+                         repeats: int = 5) -> ComputeRoof:
+    """The compute roof as every chapter measures it: ``rounds`` calls of :func:`measure_matmul_flops` (each the
+    median of ``repeats`` runs after a warm-up), the best of them the roof, every round kept for the spread."""
+    check_positive_int("rounds", rounds)
+    check_positive_int("repeats", repeats)
+    return ComputeRoof(tuple(measure_matmul_flops(n=n, dtype=dtype, device=device, repeats=repeats)
+                             for _ in range(rounds)), n, repeats)
+
+
+def compute_roof_flops(*, n: int = 1024, dtype=torch.float32, device="cpu", rounds: int = 3,
+                       repeats: int = 5) -> float:
+    """The compute roof in FLOP/s: :func:`measure_compute_roof`'s best round."""
+    return measure_compute_roof(n=n, dtype=dtype, device=device, rounds=rounds, repeats=repeats).flops

@@ -135,3 +135,25 @@ def test_touching_parameters_reads_every_weight_and_file_backed_bytes_is_a_count
     touch_parameters(tiny_llama)
     shared = file_backed_bytes()
     assert shared is None or (isinstance(shared, int) and 0 <= shared <= rss_bytes())
+
+
+def test_compute_roof_is_the_best_round_of_the_same_matmul_measurement(monkeypatch):
+    import course_utils.measure as M
+    rates = iter([3.0e9, 5.0e9, 4.0e9])
+    calls = []
+
+    def fake(**kw):
+        calls.append(kw)
+        return next(rates)
+
+    monkeypatch.setattr(M, "measure_matmul_flops", fake)
+    roof = M.measure_compute_roof(n=256, rounds=3, repeats=4)
+    assert roof.samples_flops == (3.0e9, 5.0e9, 4.0e9) and roof.flops == 5.0e9
+    assert all(c["n"] == 256 and c["repeats"] == 4 for c in calls)
+    with pytest.raises(ValueError, match="rounds must be"):
+        M.measure_compute_roof(rounds=0)
+
+
+def test_compute_roof_flops_is_a_positive_rate():
+    from course_utils.measure import compute_roof_flops
+    assert compute_roof_flops(n=64, rounds=2, repeats=2) > 0
