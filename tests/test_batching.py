@@ -222,7 +222,7 @@ def test_time_block_gather_counts_the_copied_bytes(tiny_model):
     per_position = 2 * dims.num_key_value_heads * (dims.hidden_size // dims.num_attention_heads) * 4   # k and v, fp32
     blocks = 3 * 3                                             # 21 positions in blocks of 8, three sequences
     assert cost.copied_bytes == dims.num_hidden_layers * blocks * 8 * per_position
-    assert cost.step_s > 0 and cost.gather_s > 0 and 0 < cost.share
+    assert cost.step_s > 0 and cost.gather_s > 0 and 0 < cost.share < 1        # the gathers are part of the step
 
 
 def test_decode_step_grid_times_every_format_batch_and_context_that_fits(tiny_llama):
@@ -245,3 +245,71 @@ def test_decode_step_grid_times_every_format_batch_and_context_that_fits(tiny_ll
         decode_step_grid(tiny_llama, (4,), (24,), max_tokens=40, progress=False)
     with pytest.raises(ValueError, match="caches"):
         decode_step_grid(tiny_llama, (1,), (8,), caches={"x": 3}, progress=False)
+
+
+def test_knee_range_says_what_the_rounds_support_not_the_medians():
+    from course_utils.batching import KneeRange, knee_range
+    none, four, two = [1, 1, 1, 1], [1, 1, 1, 2], [1, 1, 2, 4]     # step times at B = 1, 2, 4, 8: knees None, 4, 2
+    split = _points([none, four, four])
+    assert find_knee([1, 2, 4, 8], [p.tokens_per_s for p in split]) == 4    # the medians alone name one knee ...
+    kr = knee_range(split)
+    assert kr.knees == (None, 4, 4) and not kr.agreed and kr.low == 4 and kr.high is None   # ... one round finds none
+    assert "no firm knee: 2 of 3 rounds put it at B = 4, 1 find" in kr.describe() and kr.contains(None) and kr.contains(8) and not kr.contains(2)
+    title = sweep_figure(split, kr).layout.title.text
+    assert "knee at B = 4" not in title and "no firm knee" in title
+    spread = knee_range(_points([two, four, four]))
+    assert (spread.low, spread.high) == (2, 4) and "from B = 2 to B = 4" in spread.describe()
+    assert spread.contains(4) and not spread.contains(8) and not spread.contains(None)
+    same = knee_range(_points([four, four, four]))
+    assert same.agreed and "B = 4 in every one of the 3 rounds" in same.describe()
+    assert "at B = 4 in every one of the 3 rounds" in sweep_figure(_points([four] * 3), same).layout.title.text
+    assert "no knee up to B = 8" in knee_range(_points([none, none])).describe()
+    assert KneeRange((None,), 8).low is None
+
+
+def test_decode_step_sweep_alternates_the_order_of_the_batch_sizes(tiny_model, monkeypatch):
+    import course_utils.batching.sweep as S
+    seen, build = [], S._replicated_cache
+
+    def recording(model, keys, values, batch):
+        seen.append(batch)
+        return build(model, keys, values, batch)
+
+    monkeypatch.setattr(S, "_replicated_cache", recording)
+    decode_step_sweep(tiny_model, (1, 2, 4), context_len=4, repeats=2, progress=False)
+    assert seen == [1, 2, 4, 4, 2, 1, 1, 2, 4]                       # warm-up, then every other round reversed
+
+
+class _Copy:
+    live = peak = 0
+
+    def __init__(self):
+        _Copy.live += 1
+        _Copy.peak = max(_Copy.peak, _Copy.live)
+
+    def __del__(self):
+        _Copy.live -= 1
+
+
+class _Pool:
+    def index_select(self, dim, index):
+        return _Copy()
+
+
+def test_block_gathers_free_each_layers_copies_before_the_next_as_the_step_does():
+    from course_utils.batching import block_gathers
+    _Copy.live = _Copy.peak = 0
+    block_gathers([_Pool()] * 30, [_Pool()] * 30, None)()
+    assert _Copy.peak == 2 and _Copy.live == 0           # one layer's keys and values, never 30 layers' at once
+    with pytest.raises(ValueError, match="one key pool and one value pool per layer"):
+        block_gathers([_Pool()], [], None)
+
+
+def test_chapters_02_and_04_take_the_compute_roof_from_one_function():
+    import json
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent / "notebooks"
+    for name in ("02_prefill_decode.ipynb", "04_batching.ipynb"):
+        code = "".join("".join(c["source"]) for c in json.loads((root / name).read_text())["cells"]
+                       if c["cell_type"] == "code")
+        assert "compute_roof" in code and "measure_matmul_flops(" not in code, name

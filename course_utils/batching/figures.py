@@ -6,6 +6,7 @@ from typing import Callable, Sequence
 import plotly.graph_objects as go
 
 from ..plots import PALETTE, TEMPLATE
+from .knee import KneeRange
 from .paged import sharing_summary
 from .roofline import RooflinePoint
 from .simulate import Schedule, simulate
@@ -13,10 +14,13 @@ from .sweep import SweepPoint
 from .workload import skewed_lengths
 
 
-def sweep_figure(points: Sequence[SweepPoint], knee: int | None,
+def sweep_figure(points: Sequence[SweepPoint], knee: int | KneeRange | None,
                  roofline: Sequence[RooflinePoint] | None = None) -> go.Figure:
     """Throughput and per-request latency against the batch size, the knee marked; with ``roofline``
-    (the same batch sizes), the roofline's bound beside each measured curve, dashed."""
+    (the same batch sizes), the roofline's bound beside each measured curve, dashed.
+
+    ``knee``: one batch size, None (no knee), or a :class:`KneeRange`: the batch sizes the rounds put it at are
+    shaded (up to the largest batch when some round finds none) and the title says what the rounds support."""
     from plotly.subplots import make_subplots
     b = [p.batch for p in points]
     fig = make_subplots(rows=1, cols=2, subplot_titles=("throughput", "per-request latency of one step"))
@@ -32,13 +36,24 @@ def sweep_figure(points: Sequence[SweepPoint], knee: int | None,
                         mode="lines", line=dict(color=PALETTE[0], dash="dash"), row=1, col=1)
         fig.add_scatter(x=b, y=[r.step_s * 1e3 for r in roofline], name="ms per step, roofline floor",
                         mode="lines", line=dict(color=PALETTE[1], dash="dash"), row=1, col=2)
-    if knee is not None:
+    if isinstance(knee, KneeRange):
+        if knee.found:
+            top = knee.high if knee.high is not None else b[-1]
+            for col in (1, 2):
+                if top == knee.low:
+                    fig.add_vline(x=top, line_dash="dot", line_color=PALETTE[5], row=1, col=col)
+                else:
+                    fig.add_vrect(x0=knee.low, x1=top, fillcolor=PALETTE[5], opacity=0.12, line_width=0, row=1, col=col)
+        knee_text = "; " + knee.describe()
+    elif knee is not None:
         for col in (1, 2):
             fig.add_vline(x=knee, line_dash="dot", line_color=PALETTE[5], row=1, col=col)
+        knee_text = f"; knee at B = {knee}"
+    else:
+        knee_text = "; no knee in this range"
     first, last = points[0], points[-1]
     title = (f"{last.batch / first.batch:.0f}x the requests bring {last.tokens_per_s / first.tokens_per_s:.1f}x "
-             f"the throughput and {last.step_s / first.step_s:.1f}x the latency"
-             + (f"; knee at B = {knee}" if knee else "; no knee in this range"))
+             f"the throughput and {last.step_s / first.step_s:.1f}x the latency" + knee_text)
     fig.update_layout(template=TEMPLATE, title=title, height=440, hovermode="closest",
                       legend=dict(orientation="h", x=0, xanchor="left", y=-0.22, yanchor="top"), margin=dict(b=110))
     fig.update_xaxes(type="log", title="batch size B (requests)", tickvals=b)

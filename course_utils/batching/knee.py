@@ -71,3 +71,62 @@ def knees_per_round(points: Sequence[SweepPoint], *, min_gain: float = 0.25) -> 
     n = _rounds(points)
     b = [p.batch for p in points]
     return [find_knee(b, [p.batch / p.samples_s[r] for p in points], min_gain=min_gain) for r in range(n)]
+
+
+@dataclass(frozen=True)
+class KneeRange:
+    """Where the rounds of a sweep put the knee: :func:`find_knee` on each timed round alone (``knees[r]``,
+    None where that round finds no knee up to ``largest_batch``). A verdict no firmer than the rounds agree."""
+
+    knees: tuple[int | None, ...]
+    largest_batch: int
+
+    @property
+    def found(self) -> list[int]:
+        """The knees of the rounds that found one, smallest first."""
+        return sorted(k for k in self.knees if k is not None)
+
+    @property
+    def rounds_without(self) -> int:
+        return sum(k is None for k in self.knees)
+
+    @property
+    def agreed(self) -> bool:
+        """Every round puts the knee at the same batch size (or every round finds none)."""
+        return len(set(self.knees)) == 1
+
+    @property
+    def low(self) -> int | None:
+        """The smallest batch size a round puts the knee at (None: no round finds one)."""
+        return self.found[0] if self.found else None
+
+    @property
+    def high(self) -> int | None:
+        """The largest batch size a round puts the knee at; None when some round finds none (the range is open)."""
+        return None if self.rounds_without else self.found[-1]
+
+    def contains(self, batch: int | None) -> bool:
+        """Whether a knee at ``batch`` (None: no knee in the range) is what at least one round found, or lies
+        between the rounds' knees."""
+        if batch is None:
+            return self.rounds_without > 0
+        return self.low is not None and self.low <= batch and (self.high is None or batch <= self.high)
+
+    def describe(self) -> str:
+        """The verdict in words: one batch size only when every round agrees."""
+        n = len(self.knees)
+        if not self.found:
+            return f"no knee up to B = {self.largest_batch} in any of the {n} rounds"
+        if self.agreed:
+            return f"the knee at B = {self.low} in every one of the {n} rounds"
+        if self.rounds_without:
+            where = (f"at B = {self.low}" if self.low == self.found[-1] else
+                     f"between B = {self.low} and B = {self.found[-1]}")
+            return (f"no firm knee: {n - self.rounds_without} of {n} rounds put it {where}, {self.rounds_without} "
+                    f"find none up to B = {self.largest_batch}")
+        return f"the knee somewhere from B = {self.low} to B = {self.high} (the {n} rounds disagree)"
+
+
+def knee_range(points: Sequence[SweepPoint], *, min_gain: float = 0.25) -> KneeRange:
+    """The knee as the rounds support it: :func:`knees_per_round`, summarised as a range of batch sizes."""
+    return KneeRange(tuple(knees_per_round(points, min_gain=min_gain)), points[-1].batch)

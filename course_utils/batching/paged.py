@@ -42,8 +42,26 @@ class GatherCost:
 
     @property
     def share(self) -> float:
-        """The gathers' share of the step."""
+        """The gathers' share of the step. The gathers are part of the step's work, so a share of 100 % or more
+        means the two timings measured different work (or noise swamped them)."""
         return self.gather_s / self.step_s
+
+
+def block_gathers(k_blocks, v_blocks, tables: torch.Tensor):
+    """The copies a decode step's attention makes, on their own: for each layer in turn, ``index_select`` of that
+    layer's key blocks and value blocks over the block tables, each layer's copies freed before the next layer's
+    (as in :meth:`~course_utils.engine.ModelRunner._attention`, whose copies live until its layer's attention
+    returns). Keeping every layer's copies alive at once would time another job: a fresh allocation the size of
+    the whole cache, page faults included. Returns the function to time."""
+    if len(k_blocks) != len(v_blocks) or not len(k_blocks):
+        raise ValueError("need one key pool and one value pool per layer, and at least one layer")
+
+    def gathers() -> None:
+        for k_pool, v_pool in zip(k_blocks, v_blocks):
+            keys = k_pool.index_select(0, tables)
+            values = v_pool.index_select(0, tables)
+            del keys, values                                      # freed before the next layer, as in the step
+    return gathers
 
 
 @torch.no_grad()
@@ -72,10 +90,7 @@ def time_block_gather(model, *, batch: int, context_len: int, block_size: int = 
     inp = runner.prepare(seqs, is_prefill=False)
     tables = inp.block_tables.view(-1)
 
-    def gathers():
-        return [(runner.k_blocks[i].index_select(0, tables), runner.v_blocks[i].index_select(0, tables))
-                for i in range(len(runner.layers))]
-
+    gathers = block_gathers(runner.k_blocks, runner.v_blocks, tables)
     t = time_interleaved({"step": lambda: runner.forward(inp), "gather": gathers}, warmup=1, repeats=repeats,
                          device=runner.device)
     copied = 2 * len(runner.layers) * tables.numel() * runner.k_blocks[0].shape[1] * runner.k_pool.element_size()

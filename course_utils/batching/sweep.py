@@ -55,7 +55,8 @@ def decode_step_sweep(model, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *, context_le
 
     Every request holds the same cache (prefilled once and copied B times; the content does
     not change the cost). The batch sizes are visited in turn, ``repeats`` rounds after one
-    warm-up round, so machine noise hits them alike; each point is the median step.
+    warm-up round, so machine noise hits them alike; every other round visits them from the largest down,
+    so no batch size always runs right after the same neighbour. Each point is the median step.
     """
     from ..kv_cache import prefill
     from ..measure import time_call
@@ -71,7 +72,7 @@ def decode_step_sweep(model, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *, context_le
     values = [layer.values for layer in base.layers]
     samples: dict[int, list[float]] = {b: [] for b in sizes}
     for r in progress_bar(range(repeats + 1), "batch sweep (round 0 = warm-up)", enabled=progress, unit="round"):
-        for b in sizes:
+        for b in (sizes if r % 2 == 0 else sizes[::-1]):
             cache = _replicated_cache(model, keys, values, b)
             step = lambda: model(first.expand(b)[:, None], cache=cache, use_cache=True)  # noqa: E731
             t = time_call(step, warmup=0, repeats=1, device=device).samples_s[0]
