@@ -44,7 +44,7 @@ def sweep_figure(points: Sequence[SweepPoint], knee: int | KneeRange | None,
                     fig.add_vline(x=top, line_dash="dot", line_color=PALETTE[5], row=1, col=col)
                 else:
                     fig.add_vrect(x0=knee.low, x1=top, fillcolor=PALETTE[5], opacity=0.12, line_width=0, row=1, col=col)
-        knee_text = "; " + knee.describe()
+        knee_text = "<br>" + knee.describe()
     elif knee is not None:
         for col in (1, 2):
             fig.add_vline(x=knee, line_dash="dot", line_color=PALETTE[5], row=1, col=col)
