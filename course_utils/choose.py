@@ -103,15 +103,17 @@ class StepTimes:
     """Measured seconds per decode step, ``{dtype: [GridPoint, ...]}`` (:func:`course_utils.batching.decode_step_grid`),
     looked up by (dtype, cache format, batch size, context).
 
-    Between two timed contexts of the same (dtype, format, batch) the step time and its spread are
-    interpolated linearly (a step reads every resident token once, so its cost is close to linear in the
-    context); outside the timed range nothing is claimed (:meth:`at` returns None).
+    Between two timed contexts of the same (dtype, format, batch) the step time, its spread and its range
+    (fastest and slowest round, :meth:`range_at`) are interpolated linearly (a step reads every resident token
+    once, so its cost is close to linear in the context); outside the timed range nothing is claimed
+    (:meth:`at` returns None).
     """
 
     def __init__(self, points: dict):
         if not isinstance(points, dict) or not points:
             raise ValueError("points must map a dtype name to the GridPoints timed for it")
         self.table: dict[tuple[str, str, int], list[tuple[int, float, float]]] = {}
+        self.ranges: dict[tuple[str, str, int], list[tuple[int, float, float]]] = {}
         for dtype, pts in points.items():
             if not pts:
                 raise ValueError(f"no timed points for {dtype!r}")
@@ -120,7 +122,11 @@ class StepTimes:
                     raise ValueError(f"{dtype} {p.cache} B={p.batch} context={p.context}: a step must take > 0 s "
                                      f"with a spread >= 0, got {p.step_s} ± {p.spread_s}")
                 self.table.setdefault((str(dtype), p.cache, p.batch), []).append((p.context, p.step_s, p.spread_s))
-        for rows in self.table.values():
+                # the rounds' fastest and slowest where they were kept, else median -/+ spread (never below 0)
+                low, high = ((min(p.samples_s), max(p.samples_s)) if p.samples_s else
+                             (p.step_s - p.spread_s if p.step_s > p.spread_s else 0.0, p.step_s + p.spread_s))
+                self.ranges.setdefault((str(dtype), p.cache, p.batch), []).append((p.context, low, high))
+        for rows in (*self.table.values(), *self.ranges.values()):
             rows.sort()
             if len({c for c, _, _ in rows}) != len(rows):
                 raise ValueError("a (dtype, cache, batch, context) was timed twice")
@@ -140,12 +146,22 @@ class StepTimes:
         return (float(np.interp(context, ctx, [s for _, s, _ in rows])),
                 float(np.interp(context, ctx, [e for _, _, e in rows])))
 
+    def range_at(self, dtype: str, cache: str, batch: int, context: int) -> tuple[float, float] | None:
+        """(fastest, slowest) seconds per step over the timed rounds at ``context``, or None where not timed."""
+        rows = self.ranges.get((dtype, cache, batch))
+        if not rows or not rows[0][0] <= context <= rows[-1][0]:
+            return None
+        ctx = [c for c, _, _ in rows]
+        return (float(np.interp(context, ctx, [lo for _, lo, _ in rows])),
+                float(np.interp(context, ctx, [hi for _, _, hi in rows])))
+
 
 @dataclass(frozen=True)
 class Candidate:
     """One configuration, its figures, and the constraints it fails (in :data:`CONSTRAINTS` order).
 
-    ``step_s`` / ``step_spread_s`` are None when its decode step was not timed at its context."""
+    ``step_s`` / ``step_spread_s`` are None when its decode step was not timed at its context; ``step_range_s``
+    is the (fastest, slowest) round there."""
     weights: WeightOption
     kv: KVOption
     batch: int
@@ -155,6 +171,7 @@ class Candidate:
     step_s: float | None
     step_spread_s: float | None = None
     fails: tuple[str, ...] = field(default=())
+    step_range_s: tuple[float, float] | None = None
 
     @property
     def kld_upper(self) -> float:
@@ -177,10 +194,21 @@ class Candidate:
 
     @property
     def tokens_per_s_range(self) -> tuple[float, float]:
-        """Total throughput at the slowest and at the fastest step its spread allows."""
+        """Total throughput at the slowest and at the fastest timed round (median -/+ spread where the rounds were
+        not kept; a spread as large as the step leaves the fast end unbounded: inf)."""
         if not self.timed:
             return math.nan, math.nan
-        return self.batch / (self.step_s + self.step_spread_s), self.batch / max(self.step_s - self.step_spread_s, 1e-12)
+        if self.step_range_s is not None:
+            fast, slow = self.step_range_s
+        else:
+            fast, slow = self.step_s - self.step_spread_s, self.step_s + self.step_spread_s
+        return self.batch / slow, (self.batch / fast if fast > 0 else math.inf)
+
+    @property
+    def noisy(self) -> bool:
+        """Whether its step's rounds spread by more than a quarter of the step either way: a disturbed measurement
+        (rerun it) rather than a property of the configuration."""
+        return self.timed and (self.step_spread_s or 0.0) > 0.25 * self.step_s
 
     @property
     def user_tokens_per_s(self) -> float:
@@ -205,7 +233,9 @@ def candidates(weights: list[WeightOption], kvs: list[KVOption], steps: StepTime
     timed for it fails ``"speed"`` (nothing is claimed there). ``context``: tokens each request holds, so a
     batch of B keeps B · context tokens resident. The memory's overhead is ``overhead_bytes`` +
     B · ``working_bytes_per_request`` (the runtime, and working memory that grows with the batch).
-    Quality fails when the estimate + 2 se exceeds ``kld_bound``.
+    Quality fails when the estimate + 2 se exceeds ``kld_bound``; speed fails when the slowest timed round
+    (:meth:`StepTimes.range_at`) gives each user fewer than ``min_user_tokens_per_s`` tokens/s — both
+    constraints are applied to the unfavourable end of what was measured.
     """
     check_positive_int("context", context)
     if not budget_bytes > 0:
@@ -233,11 +263,12 @@ def candidates(weights: list[WeightOption], kvs: list[KVOption], steps: StepTime
                                    overhead_bytes=overhead_bytes + b * working_bytes_per_request)
                 timed = steps.at(w.speed_dtype, kv.timing, b, context)
                 s, spread = timed if timed else (None, None)
+                rng = steps.range_at(w.speed_dtype, kv.timing, b, context) if timed else None
                 kld, se = w.kld + kv.kld, w.kld_se + kv.kld_se
                 fails = tuple(name for name, bad in (
                     ("quality", kld + 2 * se > kld_bound), ("memory", mem.total > budget_bytes),
-                    ("speed", s is None or 1.0 / s < min_user_tokens_per_s)) if bad)
-                out.append(Candidate(w, kv, b, mem, kld, se, s, spread, fails))
+                    ("speed", s is None or 1.0 / rng[1] < min_user_tokens_per_s)) if bad)
+                out.append(Candidate(w, kv, b, mem, kld, se, s, spread, fails, rng))
     return out
 
 
@@ -284,8 +315,11 @@ def additivity(kld_weights, kld_cache, kld_both) -> tuple[float, float]:
 
 @dataclass(frozen=True)
 class SpeculativeVerdict:
+    """``status``: ``"pays"``, ``"does not pay"``, ``"within noise"`` or ``"not measured"`` (at a batch size
+    it was not timed at); ``pays`` is True only for ``"pays"``."""
     pays: bool
     reason: str
+    status: str = ""
 
 
 def speculative_verdict(measured: dict[str, dict], batch: int, workload: str) -> SpeculativeVerdict:
@@ -303,16 +337,17 @@ def speculative_verdict(measured: dict[str, dict], batch: int, workload: str) ->
     lo, hi = (float(x) for x in m["speedup_range"]) if m.get("speedup_range") else (speed, speed)
     spread = f" (repeats {lo:.2f}–{hi:.2f}×)" if m.get("speedup_range") else " (no spread kept with it)"
     if batch > 1:
-        return SpeculativeVerdict(False, f"measured at batch 1 only ({speed:.2f}× there); at B = {batch} every "
-                                         "verification pass costs more than one step for every request: not claimed")
+        return SpeculativeVerdict(False, f"measured at batch 1 only ({speed:.2f}× there); at B = {batch} a verification "
+                                         f"pass checks γ + 1 tokens for each of {batch} requests, and what that costs "
+                                         "against a step was not timed: not claimed", "not measured")
     if lo <= 1.0 <= hi:
         return SpeculativeVerdict(False, f"{per_pass:.2f} tokens per verification pass, {speed:.2f}× the plain loop's "
-                                         f"wall time{spread}: within noise, not claimed")
+                                         f"wall time{spread}: within noise, not claimed", "within noise")
     if speed > 1.0:
         return SpeculativeVerdict(True, f"{per_pass:.2f} tokens per verification pass, {speed:.2f}× the plain "
-                                        f"loop's wall time{spread}, same tokens")
+                                        f"loop's wall time{spread}, same tokens", "pays")
     return SpeculativeVerdict(False, f"{per_pass:.2f} tokens per pass did not pay for the passes: {speed:.2f}× "
-                                     f"the plain loop's wall time{spread}")
+                                     f"the plain loop's wall time{spread}", "does not pay")
 
 
 STATUS_COLOURS = {"meets all": "#2a9d8f", "quality": "#e76f51", "memory": "#f4a261", "speed": "#8d99ae"}

@@ -240,11 +240,14 @@ def test_decode_step_grid_times_every_format_batch_and_context_that_fits(tiny_ll
     assert {(p.cache, p.batch, p.context) for p in points} == {
         (c, b, n) for c in caches for b, n in [(1, 8), (4, 8), (1, 24)]}          # 4 x 24 = 96 > 40: skipped
     assert all(p.step_s > 0 and len(p.samples_s) == 2 for p in points)
-    assert seen[-1].quantized_tokens == 24 and seen[-1].get_seq_length() == 25    # the stored tokens, then one step
+    # the stored tokens, then a warm-up step and steps_per_fill (2) timed steps on the same fill
+    assert seen[-1].quantized_tokens == 24 and seen[-1].get_seq_length() == 24 + 1 + 2
     with pytest.raises(ValueError, match="fits"):
         decode_step_grid(tiny_llama, (4,), (24,), max_tokens=40, progress=False)
     with pytest.raises(ValueError, match="caches"):
         decode_step_grid(tiny_llama, (1,), (8,), caches={"x": 3}, progress=False)
+    with pytest.raises(ValueError, match="steps_per_fill"):
+        decode_step_grid(tiny_llama, (1,), (8,), steps_per_fill=0, progress=False)
 
 
 def test_knee_range_says_what_the_rounds_support_not_the_medians():

@@ -135,6 +135,27 @@ def test_rivals_are_those_whose_throughput_overlaps_the_pick_within_its_spread()
     assert pick.batch == 2 and [c.batch for c in rivals(cs, pick)] == [1]     # 20.8 vs 20 tok/s: within the spread
 
 
+def test_a_disturbed_step_gives_a_finite_range_from_its_rounds_and_is_flagged():
+    wild = GridPoint("float", 1, 256, 0.050, 0.060, (0.045, 0.050, 0.165))      # one round disturbed
+    steps = StepTimes({"float32": [wild, GridPoint("float", 2, 256, 0.080, 0.002, (0.078, 0.080, 0.082))]})
+    cs = candidates([FP32], [KV32], steps, CONFIG, n_proj=1, n_rest=1, context=256, budget_bytes=2**40, kld_bound=1)
+    one = next(c for c in cs if c.batch == 1)
+    assert one.tokens_per_s_range == pytest.approx((1 / 0.165, 1 / 0.045))   # the rounds, not median -/+ spread
+    assert one.noisy and not next(c for c in cs if c.batch == 2).noisy
+    assert rivals(cs, best(cs)) == []                 # a wide range no longer reaches 10^12 tokens/s
+    bare = StepTimes({"float32": [GridPoint("float", 1, 256, 0.050, 0.060)]})   # no rounds kept
+    c = candidates([FP32], [KV32], bare, CONFIG, n_proj=1, n_rest=1, context=256, budget_bytes=2**40, kld_bound=1)[0]
+    assert c.tokens_per_s_range[1] == float("inf")    # said to be unbounded, not a made-up figure
+
+
+def test_the_speed_target_applies_to_the_slowest_round():
+    steps = StepTimes({"float32": [GridPoint("float", 1, 256, 0.100, 0.020, (0.080, 0.100, 0.120))]})
+    kw = dict(n_proj=1, n_rest=1, context=256, budget_bytes=2**40, kld_bound=1)
+    assert "speed" not in candidates([FP32], [KV32], steps, CONFIG, min_user_tokens_per_s=8, **kw)[0].fails
+    # 10 tok/s at the median, 8.3 at the slowest round: a target of 9 is not met
+    assert "speed" in candidates([FP32], [KV32], steps, CONFIG, min_user_tokens_per_s=9, **kw)[0].fails
+
+
 def test_a_speed_target_above_every_measurement_leaves_nothing():
     cs = _cands(min_user_tokens_per_s=1000)
     assert best(cs) is None and all("speed" in c.fails for c in cs)
@@ -184,11 +205,14 @@ def test_speculative_decoding_pays_only_where_it_measured_faster():
     assert speculative_verdict(measured, 1, "repetitive").pays
     assert not speculative_verdict(measured, 1, "free text").pays
     later = speculative_verdict(measured, 4, "repetitive")
-    assert not later.pays and "batch 1" in later.reason
+    assert not later.pays and "batch 1" in later.reason and later.status == "not measured"
+    assert speculative_verdict(measured, 1, "repetitive").status == "pays"
+    assert speculative_verdict(measured, 1, "free text").status == "does not pay"
     with pytest.raises(ValueError, match="workload"):
         speculative_verdict(measured, 1, "poetry")
     noisy = {"w": {"speedup": 1.06, "tokens_per_pass": 2.1, "speedup_range": [0.9, 1.2]}}
     assert not speculative_verdict(noisy, 1, "w").pays and "within noise" in speculative_verdict(noisy, 1, "w").reason
+    assert speculative_verdict(noisy, 1, "w").status == "within noise"
     clear = {"w": {"speedup": 1.6, "tokens_per_pass": 2.1, "speedup_range": [1.4, 1.7]}}
     assert speculative_verdict(clear, 1, "w").pays and "1.40–1.70" in speculative_verdict(clear, 1, "w").reason
 

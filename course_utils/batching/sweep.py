@@ -85,7 +85,7 @@ def decode_step_sweep(model, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *, context_le
 @dataclass(frozen=True)
 class GridPoint:
     """One (cache format, batch size, context) of :func:`decode_step_grid`: the median seconds of one decode
-    step, half the range between rounds, and each timed round's seconds."""
+    step over the rounds, half the range between rounds, and each round's seconds."""
 
     cache: str
     batch: int
@@ -129,7 +129,8 @@ def fill_cache(cache, layers, batch: int, context: int):
 
 @torch.no_grad()
 def decode_step_grid(model, batch_sizes, contexts, *, caches: dict | None = None, max_tokens: int | None = None,
-                     repeats: int = 3, device=None, seed: int = 0, progress: bool = True) -> list[GridPoint]:
+                     repeats: int = 3, steps_per_fill: int = 2, device=None, seed: int = 0,
+                     progress: bool = True) -> list[GridPoint]:
     """Time one decode step for every cache format, batch size B and context (tokens per request), chapter 10.
 
     ``caches``: ``{name: factory}``, each factory returning an empty transformers cache (default: one
@@ -137,7 +138,9 @@ def decode_step_grid(model, batch_sizes, contexts, *, caches: dict | None = None
     cache would not fit). The keys and values of one prefilled sequence of ``min(contexts)`` tokens are
     repeated to each context and copied to every request (:func:`fill_cache`), then handed to a fresh cache
     of each format (so a quantized one stores them at its bits). Every point is visited in turn, ``repeats``
-    rounds after a warm-up round.
+    rounds; in each, the freshly filled cache takes one warm-up step and then ``steps_per_fill`` timed steps,
+    whose median is that round's sample (one disturbed step does not make a round). A point's figure is the
+    median of its rounds, its spread half their range, and its samples the rounds' medians.
     """
     from transformers import DynamicCache
 
@@ -145,6 +148,7 @@ def decode_step_grid(model, batch_sizes, contexts, *, caches: dict | None = None
     sizes = _check_batch_sizes(batch_sizes)
     ctxs = _check_batch_sizes(contexts)
     check_positive_int("repeats", repeats)
+    check_positive_int("steps_per_fill", steps_per_fill)
     if max_tokens is not None:
         check_positive_int("max_tokens", max_tokens)
     caches = {"float": lambda: DynamicCache(config=model.config)} if caches is None else caches
@@ -156,13 +160,12 @@ def decode_step_grid(model, batch_sizes, contexts, *, caches: dict | None = None
     if not points:
         raise ValueError(f"no batch size x context fits in max_tokens={max_tokens}")
     samples: dict[tuple, list[float]] = {p: [] for p in points}
-    for r in progress_bar(range(repeats + 1), "decode-step grid (round 0 = warm-up)", enabled=progress, unit="round"):
+    for _ in progress_bar(range(repeats), "decode-step grid", enabled=progress, unit="round"):
         for name, b, c in points:
             cache = fill_cache(caches[name](), layers, b, c)
             step = lambda: model(first.expand(b)[:, None], cache=cache, use_cache=True)  # noqa: E731
-            t = time_call(step, warmup=0, repeats=1, device=device).samples_s[0]
-            if r:
-                samples[(name, b, c)].append(t)
+            t = time_call(step, warmup=1, repeats=steps_per_fill, device=device)
+            samples[(name, b, c)].append(float(np.median(t.samples_s)))
             del cache
     return [GridPoint(name, b, c, float(np.median(s)), (max(s) - min(s)) / 2, tuple(s))
             for (name, b, c), s in samples.items()]
