@@ -147,3 +147,17 @@ def test_site_pages_link_to_each_other_and_share_one_plotlyjs(tmp_path):
     assert 'href="#1.-Part-one"' in first and 'href="#2.-Part-two"' in first           # the contents list
     assert '<title>01 — First</title>' in first
     assert 'href="02_b.html">chapter 02</a>' in first and ".ipynb" not in first
+
+
+def test_no_chapter_keeps_a_markdown_link_inside_its_code():
+    """A link written in a code cell (in a string formatted for ``md``) is shown on the site's page as code, raw:
+    ``[chapter 03](03_kv_cache_memory.ipynb)``. Links between chapters belong in Markdown cells."""
+    from pathlib import Path
+
+    link = re.compile(r"\[[^\]\n]+\]\([^)\s]*\.ipynb[^)\s]*\)")
+    found = []
+    for path in sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+        for i, cell in enumerate(nbformat.read(path, as_version=4).cells):
+            if cell.cell_type == "code":
+                found += [f"{path.name} cell {i}: {m.group(0)}" for m in link.finditer(cell.source)]
+    assert not found, "Markdown links in code cells show raw on the site: " + "; ".join(found)
