@@ -316,3 +316,9 @@ def test_chapters_02_and_04_take_the_compute_roof_from_one_function():
         code = "".join("".join(c["source"]) for c in json.loads((root / name).read_text())["cells"]
                        if c["cell_type"] == "code")
         assert "compute_roof" in code and "measure_matmul_flops(" not in code, name
+
+
+def test_the_sweeps_title_gives_the_median_of_the_rounds_ratios():
+    pts = _points([[1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 2.0], [3.0, 1.0, 1.0, 2.0]])   # B = 8 vs B = 1: x8, x4, x12
+    assert pts[-1].tokens_per_s / pts[0].tokens_per_s == 4.0                          # the ratio of the medians
+    assert "bring 8.0x the throughput and 1.0x the latency" in sweep_figure(pts, None).layout.title.text

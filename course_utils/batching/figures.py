@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+import numpy as np
 import plotly.graph_objects as go
 
 from ..plots import PALETTE, TEMPLATE
@@ -19,7 +20,8 @@ def sweep_figure(points: Sequence[SweepPoint], knee: int | KneeRange | None,
     """Throughput and per-request latency against the batch size, the knee marked; with ``roofline``
     (the same batch sizes), the roofline's bound beside each measured curve, dashed.
 
-    ``knee``: one batch size, None (no knee), or a :class:`KneeRange`: the batch sizes the rounds put it at are
+    The title's ratios (largest batch against the smallest) are the medians of the rounds' ratios where the points
+    keep their rounds. ``knee``: one batch size, None (no knee), or a :class:`KneeRange`: the batch sizes the rounds put it at are
     shaded (up to the largest batch when some round finds none) and the title says what the rounds support."""
     from plotly.subplots import make_subplots
     b = [p.batch for p in points]
@@ -52,8 +54,13 @@ def sweep_figure(points: Sequence[SweepPoint], knee: int | KneeRange | None,
     else:
         knee_text = "; no knee in this range"
     first, last = points[0], points[-1]
-    title = (f"{last.batch / first.batch:.0f}x the requests bring {last.tokens_per_s / first.tokens_per_s:.1f}x "
-             f"the throughput and {last.step_s / first.step_s:.1f}x the latency" + knee_text)
+    if first.samples_s and len(first.samples_s) == len(last.samples_s):     # rounds kept: the median of their ratios
+        latency = float(np.median([t1 / t0 for t0, t1 in zip(first.samples_s, last.samples_s)]))
+        tput = float(np.median([last.batch / first.batch * t0 / t1 for t0, t1 in zip(first.samples_s, last.samples_s)]))
+    else:
+        latency, tput = last.step_s / first.step_s, last.tokens_per_s / first.tokens_per_s
+    title = (f"{last.batch / first.batch:.0f}x the requests bring {tput:.1f}x "
+             f"the throughput and {latency:.1f}x the latency" + knee_text)
     fig.update_layout(template=TEMPLATE, title=title, height=440, hovermode="closest",
                       legend=dict(orientation="h", x=0, xanchor="left", y=-0.22, yanchor="top"), margin=dict(b=110))
     fig.update_xaxes(type="log", title="batch size B (requests)", tickvals=b)
