@@ -351,6 +351,27 @@ def fix_errors(x: torch.Tensor, w: torch.Tensor, *, threshold: float = 6.0, alph
     return {name: per_token_error(y, y_hat) for name, y_hat in outputs.items()}
 
 
+def fix_errors_by_chunk(x: torch.Tensor, w: torch.Tensor, chunk_tokens: int, *, threshold: float = 6.0,
+                        alpha: float = 0.5, x_calib: torch.Tensor | None = None) -> dict[str, list[float]]:
+    """:func:`fix_errors` on each chunk of ``chunk_tokens`` consecutive rows of ``x`` (n_tokens, in):
+    method -> one error per chunk (chapter 06).
+
+    With the chunks read as independent texts (as :func:`~course_utils.hooks.capture_inputs` runs
+    them), the spread of each list is the spread between texts: a difference between two methods
+    counts only if it stands out of it (a paired test over the chunks, :func:`course_utils.stats.paired_t_test`).
+    ``x`` must hold a whole number of chunks, at least two.
+    """
+    _check_xw(x, w)
+    if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be a positive integer, got {chunk_tokens!r}")
+    n_chunks, rest = divmod(x.shape[0], chunk_tokens)
+    if rest or n_chunks < 2:
+        raise ValueError(f"x must hold a whole number (at least 2) of chunks of {chunk_tokens} tokens; "
+                         f"got {x.shape[0]} tokens")
+    per_chunk = [fix_errors(c, w, threshold=threshold, alpha=alpha, x_calib=x_calib) for c in x.split(chunk_tokens)]
+    return {method: [e[method] for e in per_chunk] for method in per_chunk[0]}
+
+
 def threshold_sweep(x: torch.Tensor, w: torch.Tensor, thresholds) -> dict[str, list]:
     """LLM.int8 at each threshold: error (per-token and per-tensor inner INT8) and dimensions kept."""
     x, w = x.float(), w.float()

@@ -177,6 +177,24 @@ def test_fix_errors_and_sweeps():
     assert O.fix_errors(x, w, x_calib=x)["SmoothQuant alpha 0.5, per-tensor"] == errs["SmoothQuant alpha 0.5, per-tensor"]
 
 
+def test_fix_errors_by_chunk_is_fix_errors_on_each_chunk():
+    torch.manual_seed(0)
+    x, w = torch.randn(60, 32), torch.randn(16, 32)
+    x[:20, 0] *= 100                            # only the first chunk has the outlier channel
+    by_chunk = O.fix_errors_by_chunk(x, w, 20)
+    for i in range(3):
+        one = O.fix_errors(x[20 * i: 20 * (i + 1)], w)
+        assert all(by_chunk[m][i] == e for m, e in one.items())
+    per_tensor = by_chunk["activations per-tensor"]
+    assert per_tensor[0] > 2 * max(per_tensor[1:])   # the chunks differ: a chunk is not the whole text
+    with pytest.raises(ValueError, match="whole number"):
+        O.fix_errors_by_chunk(x, w, 25)
+    with pytest.raises(ValueError, match="at least 2"):
+        O.fix_errors_by_chunk(x, w, 60)
+    with pytest.raises(ValueError, match="positive integer"):
+        O.fix_errors_by_chunk(x, w, 0)
+
+
 def test_threshold_figure_is_pure_and_redraws():
     torch.manual_seed(0)
     x, w = torch.randn(40, 32), torch.randn(16, 32)
