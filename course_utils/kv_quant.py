@@ -179,6 +179,23 @@ class StoredKV:
         return StoredKV(codes, step, minimum, (codes.shape[0], *self.shape[1:]), self.axis, self.spec, self.n_codes)
 
 
+def stored_round_trip(x: torch.Tensor, spec: KVQuantSpec, axis: str) -> tuple[torch.Tensor, float]:
+    """``x`` (batch, heads, tokens, head_dim) stored as :class:`QuantizedKVCache` would hold it, and read back.
+
+    Returns the de-quantised tensor (in x's dtype; equal to ``fake_quantize_kv(x, spec, axis)``) and the
+    bits per element the stored form really took: packed codes, fp16 steps and minimums, over ``x.numel()``.
+    That is ``spec.held_bits_per_element`` when the groups tile the axis; a group cut short by the end of
+    the axis is padded, and costs more (chapter 03 checks the bits it charges against this count).
+    """
+    _check_states(x)
+    if axis not in AXES:
+        raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
+    if x.numel() == 0:
+        raise ValueError(f"x must hold at least one element, got shape {tuple(x.shape)}")
+    stored = StoredKV.store(x, spec, axis)
+    return stored.load(x.dtype).to(x.device), stored.nbytes * 8 / x.numel()
+
+
 class QuantizedKVLayer(DynamicLayer):
     """One layer's cache: quantized keys and values for older tokens, full precision for the recent ones.
 

@@ -15,7 +15,9 @@ Precisions are named (``"fp32"``, ``"fp16"``, ``"bf16"``, ``"int8"``, ``"int4"``
 a ``torch.dtype``, or given as a number of bits per element. A quantized element also
 pays for its share of the scales (:func:`quantized_bits`). The weight and KV-cache tables
 differ on purpose: weight rows are long, so an int8 per-row scale is negligible and int4
-is counted in groups of 128; cache vectors are quantized in groups of 64.
+is counted in groups of 128 with one fp16 scale each (the usual convention); a quantized cache is
+charged as :mod:`course_utils.kv_quant` stores it -- groups of 64 with an fp16 step *and* an fp16
+minimum each (asymmetric, as KIVI does), whichever axis the groups run along.
 
 Byte counts are computed exactly (with :class:`fractions.Fraction`), so the tables
 reproduce the reference figures to the token. Real files store more than 4.125 bits per int4
@@ -23,9 +25,10 @@ weight (chapter 05's ``quantize.gguf_mix`` computes a Q4_K_M file's mix); :func:
 any number of bits per weight, so the tables can be redone with them.
 
 The cache costs time as well as memory: a decode step reads the weights once and every
-resident token's keys and values (:func:`step_read_bytes`). How a cache is quantized matters
-as much as how many bits it keeps: :func:`round_trip_kv` rounds a real cache tensor per token
-or per channel, and :func:`fp8_round_trip` to FP8 (e4m3), so their errors can be measured.
+resident token's keys and values (:func:`step_read_bytes`). A quantized cache is judged at the bits
+it really stores: :func:`cache_quantization_kl` measures what storing a real cache
+another way (per token or per channel with :mod:`course_utils.kv_quant`, or FP8 e4m3 with
+:func:`fp8_round_trip`) does to the next-token distributions, over several windows of text.
 """
 from __future__ import annotations
 
@@ -71,9 +74,13 @@ def quantized_bits(bits: int, group_size: int, *, scale_bits: int = 16, zero_poi
 
 #: Bits per weight: int8 with per-row scales (neglected), int4 in groups of 128 with fp16 scales.
 WEIGHT_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": quantized_bits(4, 128)}
-#: Bits per cached key/value element: FP8 (e4m3, one scale per tensor, negligible), int8 and int4 with
-#: one fp16 scale per group of 64.
-KV_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8, "int8": quantized_bits(8, 64), "int4": quantized_bits(4, 64)}
+#: Elements that share one step and one minimum in a quantized cache (``kv_quant.KVQuantSpec``'s default).
+KV_GROUP = 64
+#: Bits per cached key/value element: FP8 (e4m3, one scale per tensor, negligible); int8, int4 and int2 as
+#: ``kv_quant`` stores them: the codes plus an fp16 step and an fp16 minimum per group of ``KV_GROUP``
+#: (8.5, 4.5 and 2.5 bits; tests check that a stored cache holds exactly these).
+KV_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "fp8": 8,
+           **{f"int{b}": quantized_bits(b, KV_GROUP, zero_point_bits=16) for b in (8, 4, 2)}}
 _NAMES = {"float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16", "bfloat16": "bf16",
           "fp8_e4m3": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8"}
 
@@ -302,42 +309,19 @@ def measured_cache_bytes(model, batch_size: int, n_tokens: int, *, seed: int = 0
 
 # --- quantizing a real cache ---------------------------------------------------------------------
 
-_ALONG = {"token": -1, "channel": -2}
-
-
-def round_trip_kv(x: torch.Tensor, bits: int, *, along: str, group: int | None = None) -> torch.Tensor:
-    """A cache tensor (batch, kv_heads, tokens, head_dim) rounded to ``bits``-bit integers and back.
-
-    Asymmetric min-max rounding, one scale and zero point per group. ``along="token"``: each
-    token's vector of channels shares them (how values are usually quantized);
-    ``along="channel"``: each channel shares them across the tokens (what KIVI does for keys, whose
-    few large channels would otherwise set every token's step). ``group``: elements per group
-    along that axis (default: the whole axis).
-    """
-    if along not in _ALONG:
-        raise ValueError(f"along must be 'token' or 'channel', got {along!r}")
-    check_positive_int("bits", bits)
-    if not isinstance(x, torch.Tensor) or x.dim() != 4 or not x.is_floating_point():
-        raise ValueError(f"x must be a floating (batch, kv_heads, tokens, head_dim) tensor, got "
-                         f"{getattr(x, 'shape', type(x).__name__)}")
-    dim = _ALONG[along]
-    if group is not None:
-        check_positive_int("group", group)
-        return torch.cat([round_trip_kv(part, bits, along=along) for part in x.split(group, dim=dim)], dim=dim)
-    levels = 2 ** bits - 1
-    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
-    step = ((hi - lo) / levels).clamp_min(torch.finfo(x.dtype).tiny)
-    return ((x - lo) / step).round().clamp(0, levels) * step + lo
-
-
 FP8_E4M3_MAX = 448.0            # the largest finite float8_e4m3fn number
 
 
 def fp8_round_trip(x: torch.Tensor) -> torch.Tensor:
-    """``x`` stored as FP8 e4m3 with one scale per tensor (absmax -> 448) and read back in its own dtype."""
+    """``x`` stored as FP8 e4m3 with one scale per tensor (absmax -> 448) and read back in its own dtype.
+
+    A batch of sequences (the first dimension of a 2-D or larger tensor) gets one scale per sequence,
+    so each sequence's numbers are what they would be alone.
+    """
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         raise ValueError(f"x must be a floating tensor, got {type(x).__name__}")
-    scale = (x.abs().amax().float() / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+    dims = tuple(range(1, x.dim())) if x.dim() >= 2 else tuple(range(x.dim()))
+    scale = (x.abs().amax(dim=dims, keepdim=True).float() / FP8_E4M3_MAX).clamp_min(torch.finfo(torch.float32).tiny)
     return ((x.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
 
 
@@ -353,41 +337,74 @@ def channel_spread(x: torch.Tensor) -> float:
     return float(per_channel.amax(-1).div(per_channel.median(-1).values.clamp_min(1e-30)).mean())
 
 
+@dataclass(frozen=True)
+class CacheQuality:
+    """What one way of storing the cache did, window by window (:func:`cache_quantization_kl`).
+
+    ``kl``: mean KL divergence (nats) of each window's scored next-token distributions from the exact
+    cache's; ``same``: how many of each window's scored positions kept their most likely token;
+    ``scored``: positions scored per window.
+    """
+
+    kl: tuple[float, ...]
+    same: tuple[int, ...]
+    scored: int
+
+    @property
+    def positions(self) -> int:
+        return self.scored * len(self.kl)
+
+    @property
+    def same_share(self) -> float:
+        """Share of all scored positions (every window) whose most likely token is unchanged."""
+        return sum(self.same) / self.positions
+
+
 @torch.no_grad()
 def cache_quantization_kl(model, input_ids: torch.Tensor, schemes: dict, *, scored_tokens: int = 32) -> dict:
     """What storing the cache another way does to the next-token distributions (chapter 03).
 
-    The first ``len - scored_tokens`` tokens of ``input_ids`` (1, len) are prefilled into a cache;
-    for each scheme ``name -> (keys_fn, values_fn)`` every layer's keys and values are replaced by
-    ``keys_fn(keys)`` / ``values_fn(values)`` and the last ``scored_tokens`` tokens are run against
-    it. Returns ``name -> (mean KL divergence in nats from the exact cache's distributions, share of
-    positions whose most likely token is unchanged)``.
+    ``input_ids``: (windows, len) token ids, each row a separate piece of text, measured on its own
+    (one window at a time, which keeps the memory of one window's cache and logits). The first
+    ``len - scored_tokens`` tokens of a row are prefilled into a cache; for each scheme
+    ``name -> (keys_fn, values_fn)`` every layer's keys and values are replaced by ``keys_fn(keys)`` /
+    ``values_fn(values)`` (tensors (1, kv_heads, tokens, head_dim)) and the row's last ``scored_tokens``
+    tokens are run against it. Returns ``name -> CacheQuality``, one KL and one count per window, so
+    their spread can be shown.
     """
     from transformers import DynamicCache
 
     check_positive_int("scored_tokens", scored_tokens)
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] <= scored_tokens:
-        raise ValueError(f"input_ids must be (1, > {scored_tokens}) token ids, got {tuple(input_ids.shape)}")
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] <= scored_tokens:
+        raise ValueError(f"input_ids must be (windows, > {scored_tokens}) token ids, got "
+                         f"{tuple(getattr(input_ids, 'shape', ()))}")
     prefix_len = input_ids.shape[1] - scored_tokens
-    cache = DynamicCache(config=model.config)
-    model(input_ids[:, :prefix_len], cache=cache, use_cache=True, logits_to_keep=1)
-    exact = [(layer.keys, layer.values) for layer in cache.layers]
+    kls: dict[str, list[float]] = {name: [] for name in schemes}
+    sames: dict[str, list[int]] = {name: [] for name in schemes}
+    for row in input_ids:
+        ids = row[None]
+        cache = DynamicCache(config=model.config)
+        model(ids[:, :prefix_len], cache=cache, use_cache=True, logits_to_keep=1)
+        exact = [(layer.keys, layer.values) for layer in cache.layers]
 
-    def scored_log_probs(keys_fn, values_fn):
-        for layer, (k, v) in zip(cache.layers, exact):
-            layer.keys, layer.values = keys_fn(k), values_fn(v)
-        logits = model(input_ids[:, prefix_len:], cache=cache, use_cache=True).logits[0].float()
-        cache.crop(-scored_tokens)                    # back to the prefix (a negative count: tokens to drop)
-        return logits.log_softmax(-1)
+        def scored_log_probs(keys_fn, values_fn):
+            for layer, (k, v) in zip(cache.layers, exact):
+                layer.keys, layer.values = keys_fn(k), values_fn(v)
+                if layer.keys.shape != k.shape or layer.values.shape != v.shape:
+                    raise ValueError(f"a scheme must return tensors of the shape it was given, {tuple(k.shape)}")
+            logits = model(ids[:, prefix_len:], cache=cache, use_cache=True).logits[0].float()
+            cache.crop(-scored_tokens)                # back to the prefix (a negative count: tokens to drop)
+            return logits.log_softmax(-1)             # (scored, vocab)
 
-    reference = scored_log_probs(lambda k: k, lambda v: v)
-    out = {}
-    for name, (keys_fn, values_fn) in schemes.items():
-        log_q = scored_log_probs(keys_fn, values_fn)
-        kl = (reference.exp() * (reference - log_q)).sum(-1).mean().item()
-        same = (log_q.argmax(-1) == reference.argmax(-1)).float().mean().item()
-        out[name] = (max(kl, 0.0), same)
-    return out
+        reference = scored_log_probs(lambda k: k, lambda v: v)
+        p_ref = reference.exp()
+        for name, (keys_fn, values_fn) in schemes.items():
+            log_q = scored_log_probs(keys_fn, values_fn)
+            kls[name].append(max((p_ref * (reference - log_q)).sum(-1).mean().item(), 0.0))
+            sames[name].append(int((log_q.argmax(-1) == reference.argmax(-1)).sum().item()))
+            del log_q
+        del cache, exact, reference, p_ref
+    return {name: CacheQuality(tuple(kls[name]), tuple(sames[name]), scored_tokens) for name in schemes}
 
 
 # --- widget -----------------------------------------------------------------------------------

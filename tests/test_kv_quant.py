@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from course_utils.kv_quant import KVQuantSpec, QuantizedKVCache, StoredKV, fake_quantize_kv
+from course_utils.kv_quant import KVQuantSpec, QuantizedKVCache, StoredKV, fake_quantize_kv, stored_round_trip
 from course_utils.memory_sizing import kv_cache_bytes
 
 
@@ -51,3 +51,27 @@ def test_a_quantized_cache_can_be_reordered_for_beam_search(tiny_llama):
         layer.batch_repeat_interleave(2)
     assert all(torch.equal(layer.q_keys, b.repeat_interleave(2, dim=0)) for layer, b in zip(cache.layers, before))
     assert cache.layers[0].keys.shape[0] == 4 and cache.get_seq_length() == 19
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_stored_round_trip_counts_the_bits_it_holds(bits, axis):
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 32)                               # groups of 16 tile both axes
+    spec = KVQuantSpec(bits, group_size=16)
+    back, held = stored_round_trip(x, spec, axis)
+    assert torch.equal(back, fake_quantize_kv(x, spec, axis))
+    assert held == spec.held_bits_per_element == spec.bits_per_element == bits + 32 / 16
+    # a group cut short is padded: the stored form then takes more than the spec's bits per element
+    _, short = stored_round_trip(x[..., :40, :24], spec, axis)
+    assert short > spec.bits_per_element
+
+
+def test_stored_round_trip_rejects_bad_input():
+    x = torch.randn(1, 2, 16, 16)
+    with pytest.raises(ValueError, match="axis"):
+        stored_round_trip(x, KVQuantSpec(4, 16), "head")
+    with pytest.raises(ValueError):
+        stored_round_trip(x[0], KVQuantSpec(4, 16), "token")
+    with pytest.raises(ValueError):
+        stored_round_trip(x[..., :0, :], KVQuantSpec(4, 16), "token")

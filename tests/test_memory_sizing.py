@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from course_utils import memory_sizing as ms
+from course_utils.kv_quant import KVQuantSpec, fake_quantize_kv, stored_round_trip
 from course_utils.memory_sizing import GIB, SYLLABUS_MODELS, fit, kv_bytes_per_token, kv_cache_bytes
 
 #: Qwen2.5-0.5B, the reference model (hidden_size only, head_dim derived, as in its config).
@@ -59,9 +60,10 @@ def test_precisions_and_their_scales():
     assert ms.quantized_bits(4, 64) == 4.25
     assert ms.quantized_bits(4, 64, zero_point_bits=16) == 4.5
     assert ms.weight_bits_per_element("int4") == 4.125 and ms.weight_bits_per_element("int8") == 8
-    assert ms.kv_bits_per_element("int4") == 4.25 and ms.kv_bits_per_element("int8") == 8.25
+    assert ms.kv_bits_per_element("int4") == 4.5 and ms.kv_bits_per_element("int8") == 8.5
+    assert ms.kv_bits_per_element("int2") == 2.5
     assert ms.kv_bits_per_element("bfloat16") == ms.kv_bits_per_element(torch.bfloat16) == 16
-    assert kv_bytes_per_token(REF, "int4") == 6144 * 4.25 / 8
+    assert kv_bytes_per_token(REF, "int4") == 6144 * 4.5 / 8
     assert kv_bytes_per_token(REF, 3) == 6144 * 3 / 8          # a number is bits per element
     assert kv_bytes_per_token(REF, "fp8") == kv_bytes_per_token(REF, "fp8_e4m3") == 6144
     assert kv_bytes_per_token(REF, torch.float8_e4m3fn) == 6144
@@ -158,7 +160,7 @@ def test_fit_users_kv_precision_and_overhead():
     base = fit(16, seven, weight_precision="int8")
     assert fit(16, seven, weight_precision="int8", users=8).tokens_per_user == base.tokens_total // 8
     int4_cache = fit(16, seven, weight_precision="int8", kv_precision="int4")
-    assert int4_cache.tokens_total == math.floor(base.free_bytes / (131_072 * 4.25 / 16))
+    assert int4_cache.tokens_total == math.floor(base.free_bytes / (131_072 * 4.5 / 16))
     assert fit(16, seven, weight_precision="int8", overhead_gib=0).tokens_total > base.tokens_total
     assert fit(16, seven, n_params=6e9).tokens_total > fit(16, seven).tokens_total
 
@@ -264,34 +266,20 @@ def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def test_round_trip_kv_levels_and_axes():
-    x = _cache_like()
-    for along in ("token", "channel"):
-        y = ms.round_trip_kv(x, 4, along=along)
-        assert y.shape == x.shape and y.dtype == x.dtype
-        dim = -1 if along == "token" else -2
-        # at most 16 distinct values in every group (here: a whole token vector, or a whole channel)
-        groups = y.movedim(dim, -1).reshape(-1, y.shape[dim])
-        assert max(len(g.unique()) for g in groups) <= 16
-        assert torch.allclose(ms.round_trip_kv(x, 16, along=along), x, atol=1e-3 * x.abs().max().item())
-    # with one large channel, one scale per channel keeps the other channels fine; per token it coarsens them
-    others = [c for c in range(x.shape[-1]) if c != 3]
-    assert 3 * _rel(ms.round_trip_kv(x, 4, along="channel")[..., others], x[..., others]) < \
-        _rel(ms.round_trip_kv(x, 4, along="token")[..., others], x[..., others])
-    grouped = ms.round_trip_kv(x, 4, along="channel", group=8)
-    assert grouped.shape == x.shape and _rel(grouped, x) <= _rel(ms.round_trip_kv(x, 4, along="channel"), x) + 1e-6
-
-
-def test_round_trip_kv_rejects_bad_input():
-    x = _cache_like()
-    with pytest.raises(ValueError, match="along"):
-        ms.round_trip_kv(x, 4, along="head")
-    with pytest.raises(ValueError):
-        ms.round_trip_kv(x, 0, along="token")
-    with pytest.raises(ValueError):
-        ms.round_trip_kv(x[0], 4, along="token")
-    with pytest.raises(ValueError):
-        ms.round_trip_kv(x, 4, along="channel", group=0)
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("axis", ["channel", "token"])
+def test_kv_bits_charged_are_the_bits_the_quantized_cache_holds(bits, axis):
+    # the tables charge int8/int4/int2 caches with KV_BITS; the quantized cache that chapters 03, 07 and
+    # 10 measure stores codes plus an fp16 step and minimum per group: both counts must agree
+    x = _cache_like()[..., :48, :]                                     # 48 tokens, 16 channels
+    group = 16
+    spec = KVQuantSpec(bits, group)
+    _, held = stored_round_trip(x, spec, axis)
+    assert held == ms.quantized_bits(bits, group, zero_point_bits=16)
+    # ... and at the table's own group size, KV_BITS is that count
+    big = torch.randn(1, 2, 2 * ms.KV_GROUP, ms.KV_GROUP)
+    _, held_64 = stored_round_trip(big, KVQuantSpec(bits, ms.KV_GROUP), axis)
+    assert ms.kv_bits_per_element(f"int{bits}") == held_64 == KVQuantSpec(bits).bits_per_element
 
 
 def test_fp8_round_trip_is_e4m3_with_one_scale():
@@ -299,8 +287,12 @@ def test_fp8_round_trip_is_e4m3_with_one_scale():
     y = ms.fp8_round_trip(x)
     assert y.dtype == x.dtype and y.shape == x.shape
     assert y.abs().max().item() == pytest.approx(x.abs().max().item(), rel=1e-6)     # absmax maps to 448 exactly
+    # one scale per sequence: a sequence's numbers do not depend on the other sequences of the batch
+    assert torch.equal(ms.fp8_round_trip(torch.cat([x[:1], 100 * x[1:]]))[0], y[0])
+    for row in range(x.shape[0]):
+        assert y[row].abs().max().item() == pytest.approx(x[row].abs().max().item(), rel=1e-6)
     assert _rel(y, x) < 0.05                                                          # 3 mantissa bits: ~2-3 %
-    assert len(((y / (x.abs().max() / 448)).float()).unique()) <= 256
+    assert all(len((y[r] / (x[r].abs().max() / 448)).float().unique()) <= 256 for r in range(x.shape[0]))
     with pytest.raises(ValueError):
         ms.fp8_round_trip(torch.ones(3, dtype=torch.int32))
 
@@ -314,16 +306,26 @@ def test_channel_spread_sees_one_large_channel():
 
 
 def test_cache_quantization_kl(tiny_model):
-    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 128, (3, 40), generator=torch.Generator().manual_seed(0))     # 3 windows of 40 tokens
     same = (lambda k: k, lambda v: v)
-    coarse = (lambda k: ms.round_trip_kv(k, 1, along="token"), lambda v: ms.round_trip_kv(v, 1, along="token"))
+
+    def one_bit(x):
+        return fake_quantize_kv(x, KVQuantSpec(2, 8), "token") * 0 + x.mean()          # every number the same
+
     out = ms.cache_quantization_kl(tiny_model, ids, {"exact": same, "fp8": (ms.fp8_round_trip, ms.fp8_round_trip),
-                                                     "1 bit": coarse}, scored_tokens=8)
-    assert out["exact"] == (0.0, 1.0)
-    assert 0 <= out["fp8"][0] < out["1 bit"][0]
-    assert all(0 <= same_share <= 1 for _, same_share in out.values())
+                                                     "flat": (one_bit, one_bit)}, scored_tokens=8)
+    assert out["exact"].kl == (0.0, 0.0, 0.0) and out["exact"].same == (8, 8, 8) and out["exact"].same_share == 1
+    assert len(out["fp8"].kl) == 3 and out["fp8"].positions == 24
+    assert 0 <= max(out["fp8"].kl) < min(out["flat"].kl)
+    assert all(0 <= n <= 8 for q in out.values() for n in q.same)
+    # the windows are independent: the second window alone gives the same numbers as inside the batch
+    alone = ms.cache_quantization_kl(tiny_model, ids[1:2], {"fp8": (ms.fp8_round_trip, ms.fp8_round_trip)},
+                                     scored_tokens=8)
+    assert alone["fp8"].kl[0] == pytest.approx(out["fp8"].kl[1], rel=1e-3, abs=1e-9)
     with pytest.raises(ValueError):
         ms.cache_quantization_kl(tiny_model, ids, {}, scored_tokens=40)
+    with pytest.raises(ValueError):
+        ms.cache_quantization_kl(tiny_model, ids[0], {}, scored_tokens=8)
 
 
 def test_fit_bars_figure_accounts_for_every_gib():
