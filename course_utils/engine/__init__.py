@@ -10,10 +10,10 @@ Its exactness is checked against transformers' ``generate`` with
 :mod:`course_utils.reference`.
 """
 from .block_manager import Block, BlockManager, PrefixMatch, block_hash
-from .engine import LLMEngine, StepRecord, eos_ids_of
+from .engine import LLMEngine, StepFailed, StepRecord, eos_ids_of
 from .model_runner import ModelRunner, RunnerWeights, StepInput
 from .scheduler import POLICIES, Scheduler
 from .sequence import Refused, Sequence, Status
 
 __all__ = ["Block", "BlockManager", "LLMEngine", "ModelRunner", "POLICIES", "PrefixMatch", "Refused", "RunnerWeights",
-           "Scheduler", "Sequence", "Status", "StepInput", "StepRecord", "block_hash", "eos_ids_of"]
+           "Scheduler", "Sequence", "Status", "StepFailed", "StepInput", "StepRecord", "block_hash", "eos_ids_of"]

@@ -145,8 +145,11 @@ class BlockManager:
                 self._register(self.blocks[seq.block_table[i]], block_hash(prev, seq.block_tokens(i)),
                                seq.block_tokens(i))
 
-    def deallocate(self, seq: Sequence) -> None:
-        """Drop the sequence's references; blocks nobody uses go back to the free list."""
+    def deallocate(self, seq: Sequence, *, forget_contents: bool = False) -> None:
+        """Drop the sequence's references; blocks nobody uses go back to the free list.
+
+        ``forget_contents``: those blocks also lose their hash, so no later prompt reuses them (after a failed
+        step, whose keys and values may never have been written)."""
         for bid in reversed(seq.block_table):
             block = self.blocks[bid]
             block.ref_count -= 1
@@ -154,6 +157,10 @@ class BlockManager:
                 raise RuntimeError(f"block {bid} reference count went negative")
             if block.ref_count == 0:
                 self.free[bid] = None
+                if forget_contents and block.hash is not None:
+                    if self.cached.get(block.hash) == bid:
+                        del self.cached[block.hash]
+                    block.hash, block.token_ids = None, ()
         seq.block_table.clear()
 
     def check_invariants(self, live: list[Sequence]) -> None:

@@ -4,7 +4,9 @@
 blocks), :class:`~.scheduler.Scheduler` (which sequences, prefill or decode) and
 :class:`~.model_runner.ModelRunner` (the model over the paged pool). Decoding is greedy.
 A request with bad input is refused with a ``ValueError`` naming the problem; the
-requests already accepted are not affected.
+requests already accepted are not affected. A request can be cancelled (``abort_request``);
+a step whose model run raises fails only the sequences it ran (:class:`StepFailed`), gives
+their blocks back and leaves the engine serving the others.
 """
 from __future__ import annotations
 
@@ -33,6 +35,15 @@ class StepRecord:
     blocks_used: int
 
 
+class StepFailed(RuntimeError):
+    """A step's model run raised: the sequences it ran are finished with ``finish_reason == "error"`` (the
+    message in ``seq.error`` and ``error``), their blocks are back in the pool, and the engine goes on."""
+
+    def __init__(self, seqs: list[Sequence], error: str):
+        super().__init__(f"a step failed ({error}); its {len(seqs)} sequence(s) were failed and their blocks freed")
+        self.seqs, self.error = seqs, error
+
+
 def eos_ids_of(model) -> frozenset[int]:
     """The token ids that end generation, as ``generate`` reads them from the generation config."""
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -49,11 +60,14 @@ class LLMEngine:
     ``num_blocks * block_size`` token positions of cache are allocated up front.
     ``max_num_seqs`` is the number of slots; ``policy`` is ``"continuous"`` or ``"static"``.
     ``weights``: a :class:`RunnerWeights` to share with other engines on the same model.
+    ``keep_history``: keep every request in ``sequences`` and every step in ``steps`` (chapter 04 reads
+    them back); a server sets it to False, and a request then leaves the engine the step it finishes.
     """
 
     def __init__(self, model, *, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 8,
                  max_num_batched_tokens: int | None = None, policy: str = "continuous",
-                 prefix_caching: bool = True, dtype=None, eos_token_ids=None, weights: RunnerWeights | None = None):
+                 prefix_caching: bool = True, dtype=None, eos_token_ids=None, weights: RunnerWeights | None = None,
+                 keep_history: bool = True):
         self.block_manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, dtype=dtype, weights=weights,
                                   max_num_seqs=max_num_seqs)
@@ -64,12 +78,15 @@ class LLMEngine:
         self.vocab_size = self.runner.embed.shape[0]
         self.sequences: dict[int, Sequence] = {}
         self.steps: list[StepRecord] = []
+        self.keep_history = keep_history
+        self._next_id = 0
         self.t0 = time.perf_counter()
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    def _validate(self, prompt_ids, max_tokens) -> list[int]:
+    def check_request(self, prompt_ids, max_tokens) -> list[int]:
+        """The prompt as a list of ids if the engine can serve it; else ``ValueError``/``TypeError`` naming why."""
         if isinstance(prompt_ids, torch.Tensor):
             prompt_ids = prompt_ids.flatten().tolist()
         if not isinstance(prompt_ids, (list, tuple)) or not all(isinstance(t, int) for t in prompt_ids):
@@ -90,12 +107,48 @@ class LLMEngine:
 
         ``ignore_eos``: generate exactly ``max_tokens`` tokens, even past an end-of-sequence token.
         """
-        prompt_ids = self._validate(prompt_ids, max_tokens)
-        seq = Sequence(len(self.sequences), prompt_ids, max_tokens, block_size=self.block_manager.block_size,
+        prompt_ids = self.check_request(prompt_ids, max_tokens)
+        seq = Sequence(self._next_id, prompt_ids, max_tokens, block_size=self.block_manager.block_size,
                        eos_token_ids=self.eos_token_ids, ignore_eos=ignore_eos, arrival_s=self.now())
+        self._next_id += 1
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
+
+    def abort_request(self, seq_id: int) -> bool:
+        """Cancel a request: out of the queue or its slot, its blocks back in the pool before the next step (a
+        shared prefix block only loses this reference). False if it had already finished or is unknown."""
+        seq = self.sequences.get(seq_id)
+        if seq is None or not self.scheduler.abort(seq, "abort"):
+            return False
+        seq.finish_s = self.now()
+        self._forget([seq])
+        return True
+
+    def check_invariants(self) -> None:
+        """Raise ``RuntimeError`` unless block reference counts match the live block tables and free list, and
+        every slot is either free or held by exactly one live sequence."""
+        live = self.scheduler.live()
+        self.block_manager.check_invariants(live)
+        slots = sorted(self.scheduler.free_slots + [s.slot for s in live])
+        if slots != list(range(self.scheduler.max_num_seqs)):
+            raise RuntimeError(f"slots {slots}: each of 0..{self.scheduler.max_num_seqs - 1} should appear once")
+
+    def _forget(self, seqs: list[Sequence]) -> None:
+        if not self.keep_history:
+            for seq in seqs:
+                self.sequences.pop(seq.seq_id, None)
+
+    def _fail(self, seqs: list[Sequence], exc: BaseException) -> StepFailed:
+        """The step that ran ``seqs`` raised: fail them, free their blocks (forgetting what they held), check."""
+        error = f"{type(exc).__name__}: {exc}"
+        failed = [seq for seq in seqs if not seq.is_finished]
+        for seq in failed:
+            self.scheduler.abort(seq, "error", forget_contents=True)
+            seq.error, seq.finish_s = error, self.now()
+        self.check_invariants()
+        self._forget(failed)
+        return StepFailed(failed, error)
 
     def step(self) -> list[Sequence]:
         """Schedule, run the model once, hand the new tokens to the scheduler; returns the sequences that finished."""
@@ -106,11 +159,16 @@ class LLMEngine:
             return []
         num_tokens = sum(len(seq.positions_to_run(is_prefill)[0]) for seq in seqs)
         start_s = self.now()
-        token_ids = self.runner.run(seqs, is_prefill)
+        try:
+            token_ids = self.runner.run(seqs, is_prefill)
+        except Exception as exc:                  # e.g. out of memory: this step's sequences fail, the others go on
+            raise self._fail(seqs, exc) from exc
         end_s = self.now()
         finished = self.scheduler.postprocess(seqs, token_ids, is_prefill, start_s=start_s, end_s=end_s)
-        self.steps.append(StepRecord(start_s, end_s, is_prefill, len(seqs), num_tokens,
-                                     self.block_manager.num_used_blocks))
+        if self.keep_history:
+            self.steps.append(StepRecord(start_s, end_s, is_prefill, len(seqs), num_tokens,
+                                         self.block_manager.num_used_blocks))
+        self._forget(finished)
         return finished
 
     def has_unfinished(self) -> bool:

@@ -11,6 +11,10 @@ sequence's new token and finishes the sequences that are done.
   finished. Until then a finished sequence keeps its slot and its blocks and is still
   computed as padding (its results are discarded), as transformers' ``generate`` does.
 
+A prefill step pads every prompt to the longest one it admits, so its budget,
+``max_num_batched_tokens``, counts padded tokens: sequences admitted x the longest of them.
+One sequence is always admitted, whatever its length.
+
 When a decode step needs a block and none is free, the newest running sequence is
 *preempted*: its blocks are released and it goes back to the front of the queue, to be
 re-prefilled later from its prompt and the tokens it has produced (recompute).
@@ -72,18 +76,18 @@ class Scheduler:
     def _admit(self) -> list[Sequence]:
         if self.policy == "static" and self.running:
             return []
-        admitted, tokens = [], 0
+        admitted, longest = [], 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            over_budget = admitted and tokens + len(seq) > self.max_num_batched_tokens  # one sequence always fits
-            if over_budget:
+            padded = (len(admitted) + 1) * max(longest, len(seq))   # the step pads every prompt to the longest
+            if admitted and padded > self.max_num_batched_tokens:    # one sequence always fits
                 break
             match = self.block_manager.match_prefix(seq)          # hashed once per admission
             if not self.block_manager.can_allocate(seq, match):
                 break
             self.waiting.popleft()
             self.block_manager.allocate(seq, match)
-            tokens += len(seq) - seq.num_cached_tokens
+            longest = max(longest, len(seq))
             seq.status, seq.slot, seq.batch_id = Status.RUNNING, heapq.heappop(self.free_slots), self.num_batches
             self.running.append(seq)
             admitted.append(seq)
@@ -118,6 +122,22 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         self._end_batch_if_done()
+
+    def abort(self, seq: Sequence, reason: str = "abort", *, forget_contents: bool = False) -> bool:
+        """Take a sequence out of the queue or out of its slot, its blocks back to the pool (a block it shares only
+        loses its reference) and mark it finished with ``reason``. False, and nothing done, if it had finished:
+        a sequence's blocks are never given back twice. ``forget_contents``: see ``BlockManager.deallocate``."""
+        if seq.is_finished:
+            return False
+        if seq.status is Status.WAITING:          # a queued sequence holds no blocks (preemption gave them back)
+            self.waiting.remove(seq)
+        else:
+            self.running.remove(seq)
+            self.block_manager.deallocate(seq, forget_contents=forget_contents)
+            heapq.heappush(self.free_slots, seq.slot)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self._end_batch_if_done()
+        return True
 
     def postprocess(self, seqs: list[Sequence], token_ids: list[int], is_prefill: bool, *,
                     start_s: float, end_s: float) -> list[Sequence]:

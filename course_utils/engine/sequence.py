@@ -48,7 +48,8 @@ class Sequence:
         self.arrival_s = arrival_s
         self.finish_s: float | None = None
         self.spans: list[tuple[int, float, float]] = []
-        self.finish_reason: str | None = None   # "eos" or "length"
+        self.finish_reason: str | None = None   # "eos" or "length"; "abort" (cancelled), "error" (its step failed)
+        self.error: str | None = None           # why its step failed (finish_reason "error")
 
     def __len__(self) -> int:
         return len(self.token_ids)
