@@ -1,24 +1,29 @@
 """Chapter 11 -- the course engine (chapter 04) behind an OpenAI-compatible streaming endpoint.
 
-A server is an engine plus an API and a clock. This one is a single asyncio loop:
+A server is an engine plus an API and a clock. This one is FastAPI on uvicorn, as vLLM's is:
 
-* it accepts HTTP/1.1 connections and parses ``POST /v1/completions`` bodies
-  (:func:`parse_completion_request`), queueing each request;
-* between two engine steps it admits the queued requests (``LLMEngine.add_request``), then
-  runs ``LLMEngine.step()`` in a worker thread -- so the loop keeps accepting connections while
-  the model computes (PyTorch releases the GIL) -- and, once the step is done, streams every new
-  token to its client as a server-sent event (``data: {...}``), chunked, then ``data: [DONE]``;
+* uvicorn speaks HTTP/1.1 (framing, keep-alive, malformed requests); FastAPI routes ``POST /v1/completions``
+  and validates its body with a pydantic model (:class:`CompletionBody`: strict types, any field it does not
+  implement refused by name); the prompt is tokenized in a worker thread, never on the event loop;
+* one task, :meth:`EngineServer._engine_loop`, admits the queued requests between two engine steps
+  (``LLMEngine.add_request``), cancels those whose client went away (``LLMEngine.abort_request``), then runs
+  ``LLMEngine.step()`` in a worker thread -- so the loop keeps serving connections while the model computes
+  (PyTorch releases the GIL) -- and hands each request its new tokens and text (detokenized incrementally,
+  in that thread); each request's handler streams them as server-sent events (``data: {...}``), then
+  ``data: [DONE]``;
+* a step that raises fails only the requests it ran (HTTP 500, or an error event, naming the error); the
+  engine frees their blocks and the server goes on;
 * ``GET /health`` and ``GET /v1/models`` answer as vLLM's server does.
 
-What it supports, and what it does not: greedy decoding only (``temperature`` absent or 0; any
-other value is refused with HTTP 400), one choice per request, a prompt given as text or as
-token ids, ``max_tokens``, ``ignore_eos``, ``stream`` with ``stream_options.include_usage``, and
-``return_token_ids`` (vLLM's extension). No stop strings, logprobs, sampling or request
-cancellation (a client that disconnects leaves its request running to the end).
+What it supports, and what it refuses: greedy decoding only (``temperature`` absent or 0), one choice per request,
+one prompt given as text or token ids, ``max_tokens``, ``ignore_eos``, ``stream`` with
+``stream_options.include_usage``, ``return_token_ids`` (vLLM's extension); ``repetition_penalty`` 1, ``logprobs``
+null, ``echo`` false and ``stop`` empty are accepted as the no-ops they are. Any other field is refused by name
+(400). An unknown model is 404, a body over 8 MiB 413, a full queue 429.
 
-Run it as ``python -m course_utils.engine_server --model embedded --port 8000`` or from Python
-with :func:`start_engine_server` (a child process, see :class:`~course_utils.serving.ServerProcess`)
-or :class:`EngineServer` (in a thread of the calling process, as the tests do).
+Run it as ``python -m course_utils.engine_server --model embedded --port 8000`` or from Python with
+:func:`start_engine_server` (a child process, see :class:`~course_utils.serving.ServerProcess`) or
+:class:`EngineServer` (in a thread of the calling process, as the tests do).
 """
 from __future__ import annotations
 
@@ -29,15 +34,99 @@ import os
 import sys
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.exceptions import HTTPException
 
 from .validation import check_positive_int
 
 MAX_BODY_BYTES = 8 * 2**20
+MAX_HEAD_BYTES = 16 * 2**10
+HEAD_TIMEOUT_S = 10.0        # a connection that has not sent a whole request head by then is closed
 
 
 # --- the API: what a request may ask ---------------------------------------------------------------------------------
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class CompletionBody(BaseModel):
+    """A ``/v1/completions`` body as this server implements it: strict types; any other field is refused by name."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompt: str | list[int] | list[str] | list[list[int]]
+    model: str | None = None
+    max_tokens: int = Field(16, ge=1)
+    temperature: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False
+    repetition_penalty: float | None = None      # accepted at their neutral values, which clients send by default
+    logprobs: None = None
+    echo: bool = False
+    stop: list[str] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, p):
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+            p = p[0]                                       # a batch of one
+        if not p or (isinstance(p, list) and not isinstance(p[0], int)):
+            raise ValueError("prompt must be a non-empty string or a non-empty list of token ids (one prompt)")
+        if isinstance(p, str):
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("the prompt is not valid UTF-8 text (a lone surrogate?)") from None
+        return p
+
+    @field_validator("temperature")
+    @classmethod
+    def _greedy(cls, t):
+        if t not in (None, 0):
+            raise ValueError(f"this server decodes greedily only: temperature must be 0 or absent, got {t}")
+        return t
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n):
+        if n != 1:
+            raise ValueError("this server returns one choice per request (n = 1)")
+        return n
+
+    @field_validator("repetition_penalty", "echo", "stop")
+    @classmethod
+    def _neutral(cls, v, info):
+        if v not in (None, 1, False, []):
+            raise ValueError(f"{info.field_name!r} is not supported by the course engine's server")
+        return v
+
+
+def describe_errors(errors: list[dict]) -> str:
+    """pydantic's errors as one line naming each field: ``max_tokens: Input should be a valid integer``."""
+    parts = []
+    for e in errors:
+        loc = ".".join(str(x) for x in e["loc"] if x != "body") or "body"
+        if e["type"] == "extra_forbidden":
+            parts.append(f"{loc}: not supported by this server (greedy decoding, one prompt; see its documentation)")
+        elif e["type"] == "json_invalid":
+            parts.append(f"malformed JSON: {e.get('ctx', {}).get('error', e['msg'])}")
+        elif e["type"] in ("model_type", "dict_type", "model_attributes_type"):
+            parts.append(f"{loc}: the request body must be a JSON object")
+        else:
+            parts.append(f"{loc}: {e['msg'].removeprefix('Value error, ')}")
+    return "; ".join(parts)
+
 
 @dataclass(frozen=True)
 class CompletionRequest:
@@ -55,295 +144,301 @@ class BadRequest(ValueError):
     """A request the API refuses (answered with HTTP 400 and the message)."""
 
 
-def parse_completion_request(body: dict, tokenizer, *, model_name: str) -> CompletionRequest:
-    """Check a completion request against what this server supports; ``BadRequest`` names what is wrong."""
-    if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
-    if body.get("model") not in (None, model_name):
-        raise BadRequest(f"this server serves the model {model_name!r}, not {body.get('model')!r}")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]                                   # a batch of one
-    if isinstance(prompt, str) and prompt:
-        ids = tuple(int(t) for t in tokenizer(prompt).input_ids)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        ids = tuple(prompt)
-    else:
-        raise BadRequest("prompt must be a non-empty string or a non-empty list of token ids (one prompt per request)")
-    max_tokens = body.get("max_tokens", 16)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens!r}")
-    temperature = body.get("temperature")
-    if temperature not in (None, 0, 0.0):
-        raise BadRequest(f"this server decodes greedily only: temperature must be 0 or absent, got {temperature!r}")
-    if body.get("n", 1) != 1 or body.get("best_of", 1) not in (None, 1):
-        raise BadRequest("this server returns one choice per request (n = 1)")
-    if body.get("repetition_penalty", 1.0) not in (None, 1, 1.0):
-        raise BadRequest("repetition_penalty is not supported (greedy decoding only)")
-    for unsupported in ("stop", "logprobs", "echo", "suffix", "logit_bias"):
-        if body.get(unsupported) not in (None, [], False):
-            raise BadRequest(f"{unsupported!r} is not supported by the course engine's server")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise BadRequest("stream_options must be an object")
-    return CompletionRequest(ids, max_tokens, bool(body.get("stream", False)), bool(options.get("include_usage")),
-                             bool(body.get("ignore_eos", False)), bool(body.get("return_token_ids", False)))
+def _request_of(body: CompletionBody, ids) -> CompletionRequest:
+    return CompletionRequest(tuple(ids), body.max_tokens, body.stream,
+                             bool(body.stream_options and body.stream_options.include_usage), body.ignore_eos,
+                             body.return_token_ids)
+
+
+def _encode(tokenizer, prompt) -> list[int]:
+    return [int(t) for t in tokenizer(prompt).input_ids] if isinstance(prompt, str) else list(prompt)
+
+
+def parse_completion_request(body, tokenizer, *, model_name: str) -> CompletionRequest:
+    """Check a parsed JSON body against what this server supports; ``BadRequest`` names what is wrong."""
+    try:
+        req = CompletionBody.model_validate(body)
+    except ValidationError as exc:
+        raise BadRequest(describe_errors(exc.errors())) from None
+    if req.model not in (None, model_name):
+        raise BadRequest(f"this server serves the model {model_name!r}, not {req.model!r}")
+    return _request_of(req, _encode(tokenizer, req.prompt))
 
 
 class TextStream:
-    """Turns a growing list of token ids into text deltas, holding back an incomplete UTF-8 character."""
+    """Token ids in, text deltas out, decoding only a short window (vLLM's incremental detokenizer).
+
+    ``prefix`` .. ``read`` is a few tokens already shown, decoded again for context; a delta is held back while
+    it ends in an incomplete UTF-8 character."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+        self.tokenizer, self.ids, self.prefix, self.read, self.text = tokenizer, [], 0, 0, ""
 
     def push(self, ids: list[int]) -> str:
         self.ids += ids
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        decode = lambda a, b: self.tokenizer.decode(self.ids[a:b], skip_special_tokens=True)
+        shown, now = decode(self.prefix, self.read), decode(self.prefix, len(self.ids))
+        if len(now) <= len(shown) or now.endswith("\ufffd"):
             return ""
-        delta, self.text = text[len(self.text):], text
+        delta = now[len(shown):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += delta
         return delta
 
 
 # --- the server ----------------------------------------------------------------------------------------------------
 
-@dataclass
-class _Active:
-    """A request the engine holds: where its tokens go and how many were sent."""
+@dataclass(eq=False)
+class _Request:
+    """A request between its handler and the engine loop."""
 
     request: CompletionRequest
-    queue: asyncio.Queue
-    sent: int = 0
+    text: TextStream
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)   # (token ids, text, finish) | Exception | None
+    seq: object = None               # its engine Sequence once admitted
+    cancelled: bool = False
 
 
 def _finish_reason(reason: str | None) -> str | None:
     return {"eos": "stop", "length": "length"}.get(reason, reason)
 
 
-class EngineServer:
-    """An OpenAI-compatible HTTP server around one :class:`~course_utils.engine.LLMEngine` (greedy only)."""
+def _error(status: int, message: str) -> JSONResponse:
+    kind = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowed", 413: "RequestTooLarge", 431: "HeadersTooLarge",
+            429: "TooManyRequests", 503: "ServiceUnavailable"}.get(status, "InternalServerError")
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status}}, status)
 
-    def __init__(self, engine, tokenizer, *, model_name: str):
+
+class EngineServer:
+    """An OpenAI-compatible HTTP server around one :class:`~course_utils.engine.LLMEngine` (greedy only).
+
+    ``max_queued``: requests held beyond the engine's slots; one more is answered 429."""
+
+    def __init__(self, engine, tokenizer, *, model_name: str, max_queued: int = 256):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
-        self.pending: list[tuple[CompletionRequest, asyncio.Future]] = []
-        self.active: dict[int, _Active] = {}
+        engine.keep_history = False                   # a finished request leaves the engine
+        self.max_queued = check_positive_int("max_queued", max_queued)
+        self.queued: list[_Request] = []              # not yet handed to the engine
+        self.active: dict[int, _Request] = {}         # in the engine, by sequence id
         self.broken: str | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._tokenizer_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=64) if hasattr(tokenizer, "get_vocab") else 64
+        self.max_prompt_chars = engine.capacity_tokens * max(longest, 1)   # longer text cannot fit: not tokenized
         self._wake: asyncio.Event | None = None
-        self._server: asyncio.base_events.Server | None = None
+        self._uvicorn = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.url: str | None = None
+        self.app = self._make_app()
 
     # the engine loop --------------------------------------------------------------------------------------------
-    def _admit(self) -> None:
-        """Hand queued requests to the engine (only between steps: the engine is not thread-safe)."""
-        for req, admitted in self.pending:
-            try:
-                seq_id = self.engine.add_request(list(req.prompt_ids), req.max_tokens, ignore_eos=req.ignore_eos)
-            except (TypeError, ValueError) as exc:
-                admitted.set_result(exc)
-                continue
-            q: asyncio.Queue = asyncio.Queue()
-            self.active[seq_id] = _Active(req, q)
-            admitted.set_result(q)
-        self.pending.clear()
-
-    def _publish(self) -> None:
-        """After a step: every new token goes to its request's queue; finished requests leave."""
-        for seq_id in list(self.active):
-            act, seq = self.active[seq_id], self.engine.sequences[seq_id]
-            new = seq.output_ids[act.sent:]
-            if new:
-                act.sent += len(new)
-                act.queue.put_nowait(("tokens", new, _finish_reason(seq.finish_reason) if seq.is_finished else None))
-            if seq.is_finished:
-                act.queue.put_nowait(("done", seq.num_prompt_tokens, seq.num_output_tokens))
-                del self.active[seq_id]
-
     async def _engine_loop(self) -> None:
+        from .engine import StepFailed
         loop = asyncio.get_running_loop()
         while True:
-            if not self.pending and not self.engine.has_unfinished():
+            if not self.queued and not self.engine.has_unfinished():
                 self._wake.clear()
                 await self._wake.wait()
-            self._admit()
+            self._admit()                    # between steps: new requests in, cancelled ones out (blocks freed)
             if not self.engine.has_unfinished():
                 continue
             try:
-                await loop.run_in_executor(self._executor, self.engine.step)
+                updates = await loop.run_in_executor(self._executor, self._step)
+            except StepFailed as exc:        # that step's requests fail; their blocks are free; the others go on
+                for seq in exc.seqs:
+                    self.active.pop(seq.seq_id).events.put_nowait(RuntimeError(f"the engine step failed: {exc.error}"))
+                continue
             except Exception as exc:  # noqa: BLE001 -- the engine's state is unknown now: fail everyone, refuse new work
                 self.broken = f"{type(exc).__name__}: {exc}"
-                for act in self.active.values():
-                    act.queue.put_nowait(("error", self.broken))
-                self.active.clear()
+                for r in [*self.active.values(), *self.queued]:
+                    r.events.put_nowait(RuntimeError(self.broken))
+                self.active.clear(), self.queued.clear()
                 return
-            self._publish()
+            for r, ids, text, finish in updates:
+                r.events.put_nowait((ids, text, finish))
+                if finish is not None:
+                    del self.active[r.seq.seq_id]
+
+    def _admit(self) -> None:
+        """Hand queued requests to the engine, and abort those whose client went away (the engine is not
+        thread-safe: only between steps)."""
+        for r in self.queued:
+            if not r.cancelled:
+                req = r.request
+                seq_id = self.engine.add_request(list(req.prompt_ids), req.max_tokens, ignore_eos=req.ignore_eos)
+                r.seq, self.active[seq_id] = self.engine.sequences[seq_id], r
+        self.queued.clear()
+        for seq_id in [i for i, r in self.active.items() if r.cancelled]:
+            self.engine.abort_request(seq_id)
+            del self.active[seq_id]
+
+    def _step(self) -> list[tuple]:
+        """In the worker thread: one engine step, then each request's new token ids, their text and finish reason."""
+        self.engine.step()
+        updates = []
+        for r in self.active.values():
+            seq = r.seq
+            new = seq.output_ids[len(r.text.ids):]
+            if new or seq.is_finished:
+                updates.append((r, new, r.text.push(new), _finish_reason(seq.finish_reason)))
+        return updates
+
+    def _cancel(self, r: _Request) -> None:
+        """The client went away: the engine loop aborts the request before its next step."""
+        if not r.cancelled:
+            r.cancelled = True
+            r.events.put_nowait(None)
+            self._wake.set()
 
     # HTTP ---------------------------------------------------------------------------------------------------------
-    @staticmethod
-    async def _send(writer, status: int, payload, content_type: str = "application/json") -> None:
-        body = (json.dumps(payload) if not isinstance(payload, (bytes, str)) else payload)
-        body = body.encode() if isinstance(body, str) else body
-        reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 413: "Payload Too Large",
-                  500: "Internal Server Error", 503: "Service Unavailable"}.get(status, "")
-        writer.write(f"HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        await writer.drain()
+    def _make_app(self) -> FastAPI:
+        app = FastAPI(title="course engine server", openapi_url=None, docs_url=None, redoc_url=None)
 
-    async def _error(self, writer, status: int, message: str) -> None:
-        await self._send(writer, status, {"error": {"message": message, "type": "BadRequestError" if status == 400
-                                                    else "ServerError", "code": status}})
+        @app.exception_handler(RequestValidationError)
+        async def invalid(_, exc):
+            return _error(400, describe_errors(exc.errors()))
+
+        @app.exception_handler(HTTPException)
+        async def http_error(_, exc):           # 404, 405, 413, and a body that is not JSON (why, from its cause)
+            cause = f" ({type(exc.__cause__).__name__}: {exc.__cause__})" if exc.__cause__ else ""
+            return _error(exc.status_code, f"{exc.detail}{cause}")
+
+        @app.get("/health")
+        async def health():
+            return Response(status_code=200 if self.broken is None else 503)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.model_name, "object": "model", "owned_by": "course_utils"}]}
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionBody, request: Request):
+            if body.model not in (None, self.model_name):
+                return _error(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}")
+            if self.broken is not None:
+                return _error(503, f"the engine failed and stopped serving: {self.broken}")
+            held = len(self.queued) + len(self.active) - self.engine.scheduler.max_num_seqs
+            if held >= self.max_queued:
+                return _error(429, f"the server's queue is full ({self.max_queued} requests wait for a slot); "
+                                   "retry later")
+            if isinstance(body.prompt, str) and len(body.prompt) > self.max_prompt_chars:
+                return _error(400, f"the prompt's {len(body.prompt):,} characters cannot fit the cache "
+                                   f"({self.engine.capacity_tokens} tokens)")
+            ids = await asyncio.get_running_loop().run_in_executor(self._tokenizer_pool, _encode, self.tokenizer,
+                                                                   body.prompt)
+            try:
+                self.engine.check_request(ids, body.max_tokens)       # reads fixed sizes only: safe beside a step
+            except (TypeError, ValueError) as exc:
+                return _error(400, str(exc))
+            r = _Request(_request_of(body, ids), TextStream(self.tokenizer))
+            self.queued.append(r)
+            self._wake.set()
+            rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+            if body.stream:          # Starlette cancels the stream when the client disconnects: `finally` aborts
+                return StreamingResponse(self._events(r, rid, created), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            return await self._whole(r, rid, created, request)
+
+        return app
 
     def _chunk(self, rid: str, created: int, **choice) -> dict:
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                 "choices": [{"index": 0, "logprobs": None, **choice}]}
 
-    async def _complete(self, writer, req: CompletionRequest, rid: str) -> None:
-        admitted = asyncio.get_running_loop().create_future()
-        self.pending.append((req, admitted))
-        self._wake.set()
-        q = await admitted
-        if isinstance(q, Exception):
-            await self._error(writer, 400, str(q))
-            return
-        created, text = int(time.time()), TextStream(self.tokenizer)
-        all_ids, finish, usage = [], None, None
-        if req.stream:
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
-                         b"Transfer-Encoding: chunked\r\n\r\n")
-        while True:
-            kind, *rest = await q.get()
-            if kind == "error":
-                if req.stream:
-                    await self._event(writer, {"error": {"message": rest[0], "code": 500}})
-                    writer.write(b"0\r\n\r\n")
-                    await writer.drain()
-                else:
-                    await self._error(writer, 500, rest[0])
-                return
-            if kind == "done":
-                usage = {"prompt_tokens": rest[0], "completion_tokens": rest[1], "total_tokens": rest[0] + rest[1]}
-                break
-            ids, finish = rest
-            all_ids += ids
-            delta = text.push(ids)
-            if req.stream:
-                choice = dict(text=delta, finish_reason=finish)
-                if req.return_token_ids:
-                    choice["token_ids"] = ids
-                await self._event(writer, self._chunk(rid, created, **choice))
-        if not req.stream:
-            choice = dict(text=text.text, finish_reason=finish)
-            if req.return_token_ids:
-                choice["token_ids"] = all_ids
-            await self._send(writer, 200, {**self._chunk(rid, created, **choice), "usage": usage})
-            return
-        if req.include_usage:
-            await self._event(writer, {"id": rid, "object": "text_completion", "created": created,
-                                       "model": self.model_name, "choices": [], "usage": usage})
-        await self._event(writer, "[DONE]")
-        writer.write(b"0\r\n\r\n")
-        await writer.drain()
+    def _usage(self, r: _Request) -> dict:
+        n, m = len(r.request.prompt_ids), len(r.text.ids)
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
-    @staticmethod
-    async def _event(writer, payload) -> None:
-        data = f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n".encode()
-        writer.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-        await writer.drain()
-
-    async def _read_request(self, reader):
-        head = await reader.readuntil(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        method, path, _ = lines[0].split(" ", 2)
-        headers = {k.strip().lower(): v.strip() for k, v in (l.split(":", 1) for l in lines[1:] if ":" in l)}
-        length = int(headers.get("content-length", 0))
-        if length > MAX_BODY_BYTES:
-            raise BadRequest(f"the request body is over {MAX_BODY_BYTES} bytes")
-        body = await reader.readexactly(length) if length else b""
-        return method, path.split("?", 1)[0], headers, body
-
-    async def _handle(self, reader, writer) -> None:
-        n = 0
+    async def _events(self, r: _Request, rid: str, created: int):
+        """The server-sent events of one streamed request: one per step that gave it a token, usage, [DONE]."""
+        sse = lambda payload: f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
         try:
             while True:
-                try:
-                    method, path, headers, body = await self._read_request(reader)
-                except (asyncio.IncompleteReadError, ConnectionError):
+                event = await r.events.get()
+                if event is None:
                     return
-                except (ValueError, UnicodeDecodeError) as exc:
-                    await self._error(writer, 400, f"malformed HTTP request: {exc}")
+                if isinstance(event, Exception):
+                    yield sse({"error": {"message": str(event), "type": "InternalServerError", "code": 500}})
                     return
-                n += 1
-                await self._route(writer, method, path, body, f"cmpl-{id(writer):x}-{n}")
-                if headers.get("connection", "").lower() == "close":
-                    return
-        except (ConnectionError, asyncio.CancelledError):
-            return
+                ids, text, finish = event
+                choice = dict(text=text, finish_reason=finish) | ({"token_ids": ids} if r.request.return_token_ids else {})
+                yield sse(self._chunk(rid, created, **choice))
+                if finish is not None:
+                    break
+            if r.request.include_usage:
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
+                           "choices": [], "usage": self._usage(r)})
+            yield sse("[DONE]")
         finally:
-            writer.close()
+            self._cancel(r)               # a no-op once finished
 
-    async def _route(self, writer, method: str, path: str, body: bytes, rid: str) -> None:
-        if method == "GET" and path == "/health":
-            await self._send(writer, 200 if self.broken is None else 503, b"", "text/plain")
-        elif method == "GET" and path == "/v1/models":
-            await self._send(writer, 200, {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                                                       "owned_by": "course_utils"}]})
-        elif method == "POST" and path == "/v1/completions":
-            if self.broken is not None:
-                await self._error(writer, 500, f"the engine failed and stopped serving: {self.broken}")
-                return
-            try:
-                req = parse_completion_request(json.loads(body or b"null"), self.tokenizer, model_name=self.model_name)
-            except (BadRequest, ValueError) as exc:
-                await self._error(writer, 400, str(exc) if isinstance(exc, BadRequest) else f"malformed JSON: {exc}")
-                return
-            await self._complete(writer, req, rid)
-        else:
-            await self._error(writer, 404, f"no route {method} {path} (this server has GET /health, GET /v1/models, "
-                                           "POST /v1/completions)")
+    async def _whole(self, r: _Request, rid: str, created: int, request):
+        """A non-streamed request: all its tokens in one JSON answer; cancelled if the connection closes first."""
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self._cancel(r)
+        watcher, finish = asyncio.create_task(watch()), None
+        try:
+            while finish is None:
+                event = await r.events.get()
+                if event is None:
+                    return _error(499, "the client closed the connection")
+                if isinstance(event, Exception):
+                    return _error(500, str(event))
+                finish = event[2]
+        finally:
+            watcher.cancel()
+        choice = dict(text=r.text.text, finish_reason=finish) | (
+            {"token_ids": list(r.text.ids)} if r.request.return_token_ids else {})
+        return {**self._chunk(rid, created, **choice), "usage": self._usage(r)}
 
     # running it ---------------------------------------------------------------------------------------------------
     async def serve(self, host: str = "127.0.0.1", port: int = 8000, *, ready: threading.Event | None = None,
                     parent_pid: int | None = None) -> None:
         """Serve until cancelled (or until ``parent_pid`` is gone)."""
+        import uvicorn
+
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
-        self._server = await asyncio.start_server(self._handle, host, port)
-        self.url = f"http://{host}:{self._server.sockets[0].getsockname()[1]}"
+        config = uvicorn.Config(_Limits(self.app, MAX_BODY_BYTES), host=host, port=port, http=_Protocol,
+                                lifespan="off", log_config=None, access_log=False, timeout_keep_alive=5,
+                                timeout_graceful_shutdown=1,
+                                limit_concurrency=self.max_queued + 2 * self.engine.scheduler.max_num_seqs + 32)
+        self._uvicorn = uvicorn.Server(config)
         engine_task = asyncio.create_task(self._engine_loop())
-        if ready is not None:
-            ready.set()
+        http_task = asyncio.create_task(self._uvicorn.serve())
         try:
-            async with self._server:
-                while parent_pid is None or _pid_alive(parent_pid):
-                    await asyncio.sleep(1.0)
+            while not self._uvicorn.started:
+                if http_task.done():
+                    http_task.result()                       # raises why it could not start (port in use...)
+                    raise RuntimeError("the HTTP server stopped before it started")
+                await asyncio.sleep(0.01)
+            self.url = f"http://{host}:{self._uvicorn.servers[0].sockets[0].getsockname()[1]}"
+            if ready is not None:
+                ready.set()
+            while not http_task.done() and (parent_pid is None or _pid_alive(parent_pid)):
+                await asyncio.wait([http_task], timeout=1.0)
         finally:
+            self._uvicorn.should_exit = True
+            await asyncio.wait([http_task], timeout=5.0)
             engine_task.cancel()
             self._executor.shutdown(wait=False, cancel_futures=True)
+            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
 
     def start_in_thread(self, host: str = "127.0.0.1", port: int = 0) -> "EngineServer":
         """Serve from a daemon thread of this process (the tests do); ``url`` is set on return; ``close()`` stops it."""
         ready = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve_until_closed(host, port, ready)),
+        self._thread = threading.Thread(target=lambda: asyncio.run(self.serve(host, port, ready=ready)),
                                         name="engine-server", daemon=True)
         self._thread.start()
         if not ready.wait(30):
             raise RuntimeError("the engine server thread did not start within 30 s")
         return self
 
-    async def _serve_until_closed(self, host, port, ready) -> None:
-        self._closing = asyncio.Event()
-        task = asyncio.create_task(self.serve(host, port, ready=ready))
-        await self._closing.wait()
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
-
     def close(self) -> None:
-        if self._thread is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self._closing.set)
+        if self._thread is not None and self._uvicorn is not None:
+            self._uvicorn.should_exit = True
             self._thread.join(10)
             self._thread = None
 
@@ -359,22 +454,88 @@ def _pid_alive(pid: int) -> bool:
     return psutil.pid_exists(pid)
 
 
+class _Limits:
+    """ASGI middleware in front of the app: a head over ``MAX_HEAD_BYTES`` is 431; a request framed by both
+    Content-Length and Transfer-Encoding is 400 and its connection closed (two parsers could disagree on where it
+    ends: request smuggling); a body over ``limit`` bytes is 413, by its Content-Length or as it arrives."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEAD_BYTES:
+            return await _error(431, f"the request's headers are over {MAX_HEAD_BYTES} bytes")(scope, receive, send)
+        if b"content-length" in headers and b"transfer-encoding" in headers:
+            refused = _error(400, "a request may not carry both Content-Length and Transfer-Encoding")
+            refused.headers["connection"] = "close"
+            return await refused(scope, receive, send)
+        if int(headers.get(b"content-length", b"0") or 0) > self.limit:
+            return await _error(413, f"the request body is over {self.limit} bytes")(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise HTTPException(413, f"the request body is over {self.limit} bytes")
+            return message
+        await self.app(scope, counted, send)
+
+
+def _protocol_class():
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Protocol(H11Protocol):
+        """uvicorn's HTTP/1.1 (h11), closing a connection that sends no complete request head within
+        ``HEAD_TIMEOUT_S`` (a slow, never-finished header would hold it open for ever)."""
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timeout)
+
+        def _head_timeout(self):
+            if self.cycle is None and not self.transport.is_closing():
+                self.transport.close()
+
+        def handle_events(self):
+            super().handle_events()
+            if self.cycle is not None:
+                self._head_timer.cancel()
+
+        def connection_lost(self, exc):
+            self._head_timer.cancel()
+            super().connection_lost(exc)
+    return Protocol
+
+
+try:
+    _Protocol = _protocol_class()
+except ImportError:            # uvicorn missing: the parsing helpers above still import
+    _Protocol = None
+
 # --- as a process --------------------------------------------------------------------------------------------------
 
 def build_engine(model_name: str, *, device: str = "cpu", dtype: str = "float32", max_num_seqs: int = 8,
-                 num_blocks: int = 256, block_size: int = 16, prefix_caching: bool = True, pack: str = "none"):
+                 num_blocks: int = 256, block_size: int = 16, prefix_caching: bool = True, pack: str = "none",
+                 max_num_batched_tokens: int | None = None):
     """Load ``model_name`` and build the engine the server runs: ``(engine, tokenizer)``.
 
     ``dtype``: what the engine computes in; ``pack``: the engine's fast path (``"onednn"``, ``"upcast"``, ``"int8"``,
     ``"int4"``, ``"compiled"``: :mod:`course_utils.engine.packed`, :mod:`course_utils.engine.compiled` -- a compiled step
-    compiles each new batch / context shape on its first request), ``"none"`` for the dense path."""
+    compiles each new batch / context shape on its first request), ``"none"`` for the dense path;
+    ``max_num_batched_tokens``: a prefill step's budget of padded tokens (default: the cache's capacity)."""
     from .engine import LLMEngine, RunnerWeights
     from .models import load_model
 
     model, tok = load_model(model_name, dtype=dtype, device=device, verbose=False)
     weights = RunnerWeights.from_model(model, dtype, pack=pack)
     engine = LLMEngine(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                       prefix_caching=prefix_caching, weights=weights)
+                       prefix_caching=prefix_caching, weights=weights, max_num_batched_tokens=max_num_batched_tokens,
+                       keep_history=False)
     return engine, tok
 
 
@@ -419,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--num-blocks", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="a prefill step's budget of padded tokens (default: the cache's capacity)")
+    parser.add_argument("--max-queued", type=int, default=256, help="requests waiting for a slot before 429")
     parser.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: PyTorch's choice)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt blocks")
     parser.add_argument("--dtype", default="float32", help="what the engine computes in (float32, bfloat16)")
@@ -435,8 +599,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     engine, tok = build_engine(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                num_blocks=args.num_blocks, block_size=args.block_size,
-                               prefix_caching=not args.no_prefix_caching, pack=args.pack)
-    server = EngineServer(engine, tok, model_name=args.served_model_name)
+                               prefix_caching=not args.no_prefix_caching, pack=args.pack,
+                               max_num_batched_tokens=args.max_num_batched_tokens)
+    server = EngineServer(engine, tok, model_name=args.served_model_name, max_queued=args.max_queued)
     print(f"course engine server: {args.model} on {args.device} ({args.dtype}, pack {args.pack}), "
           f"{torch.get_num_threads()} threads, "
           f"http://{args.host}:{args.port}", flush=True)
