@@ -14,8 +14,9 @@ import pytest
 
 from course_utils import vllm_env
 from course_utils.serving import (
-    RatePoint, ReplayResult, RequestRecord, RequestTimes, agreement, capacity_per_s, served_knee, make_trace,
-    queueing, replay, slo_from_solo, spread, times_from_bench, times_from_records,
+    GROWTH_LIMIT, RatePoint, ReplayResult, RequestRecord, RequestTimes, agreement, baseline_growth, capacity_per_s,
+    served_knee, make_trace, queueing, rate_sweep_figure, replay, slo_from_solo, spread, sweep_queueing,
+    times_from_bench, times_from_records, ttft_by_index_figure, ttft_growth,
 )
 
 
@@ -31,13 +32,54 @@ def _run(ttfts, rate=2.0, tokens=5, duration=None):
 
 
 def test_a_run_whose_later_requests_wait_longer_queued():
-    flat = queueing(_run([0.1, 0.12, 0.09, 0.11, 0.1, 0.1, 0.13, 0.1, 0.11]))
-    growing = queueing(_run([0.1, 0.12, 0.1, 0.4, 0.6, 0.8, 1.0, 1.3, 1.6]))
+    flat = queueing(_run([0.1, 0.12, 0.09, 0.11, 0.1, 0.1, 0.13, 0.1, 0.11]), baseline_growth=1.0)
+    growing = queueing(_run([0.1, 0.12, 0.1, 0.4, 0.6, 0.8, 1.0, 1.3, 1.6]), baseline_growth=1.0)
     assert not flat.queued and flat.growth == pytest.approx(0.11 / 0.1)
-    assert growing.queued and growing.growth == pytest.approx(1.3 / 0.1)
+    assert growing.queued and growing.growth == pytest.approx(1.3 / 0.1) == growing.relative_growth
     assert growing.drain_s == pytest.approx(9 / growing.served_per_s - growing.arrival_window_s)
+    # the same growth, judged against a trace whose own shape already grows 10x, is no queue
+    assert not queueing(_run([0.1, 0.12, 0.1, 0.4, 0.6, 0.8, 1.0, 1.3, 1.6]), baseline_growth=10.0).queued
     with pytest.raises(ValueError, match="at least 3"):
-        queueing(_run([0.1, 0.2]))
+        queueing(_run([0.1, 0.2]), baseline_growth=1.0)
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(ValueError, match="baseline_growth"):
+            queueing(_run([0.1] * 9), baseline_growth=bad)
+
+
+# A trace of 9 requests whose first third arrives in a burst: at every rate those three wait for each other's prefills.
+EARLY_BURST_CALM = [0.3, 0.35, 0.3, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1]            # growth 1/3 from the shape alone
+EARLY_BURST_QUEUED = [0.3, 0.35, 0.3, 0.3, 0.32, 0.34, 0.36, 0.38, 0.4]       # growth 1.27: a queue builds after the burst
+# ... and one whose last third arrives in a burst.
+LATE_BURST_CALM = [0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.25, 0.3, 0.25]            # growth 2.5 from the shape alone
+LATE_BURST_QUEUED = [0.1, 0.1, 0.1, 0.2, 0.3, 0.4, 0.55, 0.6, 0.65]           # growth 6
+
+
+def test_a_burst_in_the_first_third_does_not_hide_a_queue():
+    """On the raw ratio the queued run (1.27) sits under the limit only because the trace's first third waits for its
+    own burst; against the same trace at the lowest rate (1/3) it grew 3.8x."""
+    pts = [RatePoint(r, _run(EARLY_BURST_CALM, rate=r), k) for r in (1.0, 1.5) for k in (0, 1)]
+    pts += [RatePoint(2.0, _run(EARLY_BURST_QUEUED, rate=2.0), k) for k in (0, 1)]
+    assert ttft_growth(pts[-1].result) < GROWTH_LIMIT                           # the raw ratio would call it calm
+    assert baseline_growth(pts) == pytest.approx(0.1 / 0.3)
+    judged = sweep_queueing(pts)
+    assert [q.queued for q in judged[2.0]] == [True, True] and not any(q.queued for q in judged[1.5])
+    knee = served_knee(pts)
+    assert (knee.keeps_up_to, knee.queues_from) == (1.5, 2.0)
+
+
+def test_a_burst_in_the_last_third_does_not_read_as_a_queue_at_a_low_rate():
+    """The raw ratio (2.5) is over the limit at every rate that keeps up; against the lowest rate's it is 1."""
+    pts = [RatePoint(r, _run(LATE_BURST_CALM, rate=r), k) for r in (1.0, 1.5) for k in (0, 1)]
+    pts += [RatePoint(2.0, _run(LATE_BURST_QUEUED, rate=2.0), k) for k in (0, 1)]
+    assert ttft_growth(pts[2].result) >= GROWTH_LIMIT                           # the raw ratio would call it queued
+    judged = sweep_queueing(pts)
+    assert not any(q.queued for q in judged[1.5]) and all(q.queued for q in judged[2.0])
+    knee = served_knee(pts)
+    assert (knee.keeps_up_to, knee.queues_from) == (1.5, 2.0)
+    low, high = knee.limit_band                    # the limits that give the same verdicts: (1, 6 / 2.5]
+    assert low == pytest.approx(1.0) and high == pytest.approx(6 / 2.5)
+    assert low < knee.growth_limit <= high
+    assert served_knee(pts, growth_limit=2.5).queues_from is None     # a limit above the band changes the verdict
 
 
 def test_the_knee_lies_between_the_last_calm_rate_and_the_first_that_queued_in_every_repeat():
@@ -47,10 +89,26 @@ def test_the_knee_lies_between_the_last_calm_rate_and_the_first_that_queued_in_e
     knee = served_knee(pts)
     assert (knee.keeps_up_to, knee.queues_from) == (1.0, 3.0)
     assert "between" in knee.sentence() and "2.00 req/s the repeats disagreed" in knee.sentence()
+    assert knee.limit_band == (pytest.approx(1.0), pytest.approx(13.0))
     never = served_knee([RatePoint(r, _run(calm), k) for r in (1.0, 2.0) for k in (0, 1)])
     assert never.queues_from is None and "did not reach its knee" in never.sentence()
-    always = served_knee([RatePoint(r, _run(busy), k) for r in (1.0, 2.0) for k in (0, 1)])
-    assert always.keeps_up_to is None and always.queues_from == 1.0 and "below" in always.sentence()
+    assert never.limit_band[1] is None
+    # judged against itself, the lowest rate keeps up; every higher rate that grows past it queues
+    ramp = served_knee([RatePoint(1.0, _run(calm), k) for k in (0, 1)] + [RatePoint(2.0, _run(busy), k) for k in (0, 1)])
+    assert ramp.keeps_up_to == 1.0 and ramp.queues_from == 2.0
+    with pytest.raises(ValueError):
+        served_knee([])
+
+
+def test_the_sweep_figures_show_every_run():
+    pts = [RatePoint(r, _run(LATE_BURST_CALM, rate=r), k) for r in (1.0, 1.5) for k in (0, 1)]
+    sweeps = {"a": pts, "b": pts[:2]}
+    fig = ttft_by_index_figure(sweeps, capacity={"a": 2.0, "b": 2.0})
+    assert len(fig.data) == 6 and fig.data[0].name == "a: 1.00 req/s (0.50×)"
+    assert list(fig.data[0].x) == list(range(9)) and fig.data[0].y[-1] == pytest.approx(250.0)
+    fig = rate_sweep_figure(sweeps)
+    drains = [d for d in fig.data if d.xaxis == "x" and d.mode == "markers"][0].y
+    assert all(d > 0 for d in drains)
 
 
 def test_capacity_slo_and_spread_and_their_bad_input():
@@ -250,3 +308,38 @@ def test_a_crowded_machine_is_named(monkeypatch):
     assert machine_busy()[0] is False
     monkeypatch.delattr("os.getloadavg", raising=False)
     assert machine_busy() == (False, "load average unknown here (2 CPUs)")
+
+
+def test_the_live_checks_body_is_the_one_vllm_bench_serve_sends():
+    """Without token ids the course client's body holds vLLM's benchmark's keys, but for its two no-op fields."""
+    from course_utils.serving import completion_payload
+    from course_utils.serving.trace import TraceRequest
+    req = TraceRequest((1, 2, 3), 3, 4, 0.0)
+    ours = completion_payload("m", req, return_token_ids=False)
+    theirs = {"model": "m", "prompt": [1, 2, 3], "repetition_penalty": 1.0, "max_tokens": 4, "logprobs": None,
+              "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0.0}
+    assert ours == {k: v for k, v in theirs.items() if k not in ("repetition_penalty", "logprobs")}
+    assert completion_payload("m", req)["return_token_ids"] is True
+
+
+def test_a_python_helper_process_is_named_by_what_it_runs():
+    from course_utils.serving.processes import process_label
+
+    class Proc:
+        def __init__(self, name, cmdline):
+            self._name, self._cmdline = name, cmdline
+
+        def name(self):
+            return self._name
+
+        def cmdline(self):
+            return self._cmdline
+
+    assert process_label(Proc("VLLM::Worker", ["x"])) == "VLLM::Worker"
+    assert process_label(Proc("python3", ["/v/bin/python3", "/t/torch/_inductor/compile_worker/__main__.py",
+                                          "--workers=2"])) == "python3: compile_worker"
+    assert process_label(Proc("python3", ["python3", "-c", "from multiprocessing.resource_tracker import main;main(5)"])
+                         ) == "python3: multiprocessing.resource_tracker"
+    assert process_label(Proc("python", ["python", "-u", "-m", "vllm.entrypoints.openai.api_server"])
+                         ) == "python: vllm.entrypoints.openai.api_server"
+    assert process_label(Proc("python", [])) == "python"

@@ -27,7 +27,7 @@
   Aggregates use numpy exactly as vLLM does (mean, median, population std, linear percentiles),
   so the same records give the same figures to the last bit (checked in chapter 11 and in the tests).
 * **Load** (:mod:`.load`): rates set from a server's measured capacity, repeated runs, queueing read
-  from the time to first token across a run, the knee.
+  from the time to first token across a run (relative to the same trace at the lowest rate), the knee.
 * **The live check** (:mod:`.live`): the course client and ``vllm bench serve`` on the same requests,
   compared request by request, with a tolerance set by the smallest timing error that matters.
 * **Server processes** (:class:`ServerProcess`): a server started on loopback as its own process
@@ -50,8 +50,9 @@ from .client import (
     replay_in_process, run_sync,
 )
 from .load import (
-    GROWTH_LIMIT, Knee, Queueing, RatePoint, Spread, by_rate, capacity_per_s, served_knee, goodput_figure,
-    queueing, slo_from_solo, spread, rate_sweep_figure,
+    GROWTH_LIMIT, Knee, Queueing, RatePoint, Spread, baseline_growth, by_rate, capacity_per_s, served_knee,
+    goodput_figure, queueing, slo_from_solo, spread, rate_sweep_figure, sweep_queueing, ttft_by_index_figure,
+    ttft_growth,
 )
 from .live import ClientAgreement, RequestTimes, agreement, machine_busy, times_from_bench, times_from_records
 from .processes import ServerProcess, die_with_parent, free_port, stop_all_servers
@@ -61,9 +62,9 @@ __all__ = [
     'ARRIVAL_PROCESSES', 'ClientAgreement', 'Distribution', 'GROWTH_LIMIT', 'Knee', 'MS_PER_S', 'PERCENTILES',
     'Queueing', 'RatePoint', 'ReplayError', 'ReplayResult', 'RequestMetrics', 'RequestRecord', 'RequestTimes',
     'SLO', 'ServerProcess', 'ServerUnreachable', 'ServingSummary', 'Spread', 'Trace', 'TraceRequest',
-    'agreement', 'arrival_times_s', 'by_rate', 'capacity_per_s', 'check_server', 'completion_payload',
+    'agreement', 'arrival_times_s', 'baseline_growth', 'by_rate', 'capacity_per_s', 'check_server', 'completion_payload',
     'die_with_parent', 'distribution', 'served_knee', 'free_port', 'goodput', 'goodput_figure',
     'latency_cdf_figure', 'machine_busy', 'make_trace', 'meets_slo', 'queueing', 'replay', 'replay_async', 'replay_in_process', 'request_metrics',
     'run_sync', 'skewed_trace', 'slo_from_solo', 'spread', 'stop_all_servers', 'summarize', 'rate_sweep_figure',
-    'timeline_figure', 'times_from_bench', 'times_from_records',
+    'sweep_queueing', 'timeline_figure', 'ttft_by_index_figure', 'ttft_growth', 'times_from_bench', 'times_from_records',
 ]

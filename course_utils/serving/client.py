@@ -50,11 +50,18 @@ class ReplayResult:
         return summarize(self.records, self.duration_s, slo=slo, percentiles=percentiles)
 
 
-def completion_payload(model: str, request: TraceRequest, *, ignore_eos: bool = True) -> dict:
-    """The ``/v1/completions`` body the client sends: streamed, greedy, exactly ``output_tokens`` tokens."""
-    return {"model": model, "prompt": request.prompt if isinstance(request.prompt, str) else list(request.prompt),
+def completion_payload(model: str, request: TraceRequest, *, ignore_eos: bool = True,
+                       return_token_ids: bool = True) -> dict:
+    """The ``/v1/completions`` body the client sends: streamed, greedy, exactly ``output_tokens`` tokens; with
+    ``return_token_ids`` the server is asked for each chunk's token ids (a vLLM extension the course engine's server
+    speaks too). Without it the body holds what ``vllm bench serve`` sends, but for its ``repetition_penalty`` of 1
+    and ``logprobs`` of null (neither changes what the server does)."""
+    body = {"model": model, "prompt": request.prompt if isinstance(request.prompt, str) else list(request.prompt),
             "max_tokens": request.output_tokens, "temperature": 0.0, "ignore_eos": ignore_eos,
-            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+            "stream": True, "stream_options": {"include_usage": True}}
+    if return_token_ids:
+        body["return_token_ids"] = True
+    return body
 
 
 def _error_text(status: int, body: bytes) -> str:
@@ -68,7 +75,7 @@ def _error_text(status: int, body: bytes) -> str:
 
 
 async def _stream_one(client, url: str, model: str, index: int, request: TraceRequest, run_t0: float,
-                      *, ignore_eos: bool) -> RequestRecord:
+                      *, ignore_eos: bool, return_token_ids: bool = True) -> RequestRecord:
     """Send one request and record every streamed chunk's arrival; a failure is recorded, not raised."""
     import httpx
 
@@ -76,7 +83,8 @@ async def _stream_one(client, url: str, model: str, index: int, request: TraceRe
     rec = RequestRecord(index, request.prompt_tokens, request.output_tokens, t0 - run_t0)
     done = False
     try:
-        async with client.stream("POST", url, json=completion_payload(model, request, ignore_eos=ignore_eos)) as resp:
+        async with client.stream("POST", url, json=completion_payload(model, request, ignore_eos=ignore_eos,
+                                                                          return_token_ids=return_token_ids)) as resp:
             if resp.status_code != 200:
                 rec.error = _error_text(resp.status_code, await resp.aread())
                 return rec
@@ -137,12 +145,13 @@ async def check_server(base_url: str, *, timeout_s: float = 5.0) -> list[str]:
 
 async def replay_async(base_url: str, model: str, trace: Trace, *, max_concurrency: int | None = None,
                        warmup: int = 1, ignore_eos: bool = True, progress: bool = True,
-                       strict: bool = True) -> ReplayResult:
+                       strict: bool = True, return_token_ids: bool = True) -> ReplayResult:
     """Replay ``trace`` against the server at ``base_url``: each request is sent at its arrival time.
 
     ``max_concurrency``: at most this many requests in flight (a request due while the limit is
     reached waits, as in ``vllm bench serve --max-concurrency``); ``warmup``: requests (copies of
-    the first) sent one by one before the clock starts. The run's duration runs from its start
+    the first) sent one by one before the clock starts; ``return_token_ids``: ask for each chunk's token ids
+    (False: the body ``vllm bench serve`` sends, :func:`completion_payload`). The run's duration runs from its start
     to the last response. With ``strict`` a run in which a request failed raises
     :class:`ReplayError` after every request has ended; its ``result`` holds every record.
     """
@@ -164,7 +173,7 @@ async def replay_async(base_url: str, model: str, trace: Trace, *, max_concurren
     async with httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0), limits=limits, trust_env=False) as client:
         for _ in range(warmup):
             rec = await _stream_one(client, url, model, -1, trace.requests[0], time.perf_counter(),
-                                    ignore_eos=ignore_eos)
+                                    ignore_eos=ignore_eos, return_token_ids=return_token_ids)
             if not rec.success:
                 raise ReplayError(f"the warm-up request failed: {rec.error}",
                                   ReplayResult([rec], 0.0, base, model, trace))
@@ -174,10 +183,12 @@ async def replay_async(base_url: str, model: str, trace: Trace, *, max_concurren
 
         async def one(i: int, req: TraceRequest, run_t0: float) -> RequestRecord:
             if gate is None:
-                rec = await _stream_one(client, url, model, i, req, run_t0, ignore_eos=ignore_eos)
+                rec = await _stream_one(client, url, model, i, req, run_t0, ignore_eos=ignore_eos,
+                                        return_token_ids=return_token_ids)
             else:
                 async with gate:
-                    rec = await _stream_one(client, url, model, i, req, run_t0, ignore_eos=ignore_eos)
+                    rec = await _stream_one(client, url, model, i, req, run_t0, ignore_eos=ignore_eos,
+                                        return_token_ids=return_token_ids)
             bar.update(1)
             return rec
 

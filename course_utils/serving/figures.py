@@ -17,7 +17,8 @@ def _ecdf(values: Sequence[float]) -> tuple[list[float], list[float]]:
 
 
 def latency_cdf_figure(results: dict[str, ReplayResult]):
-    """TTFT and TPOT distributions (empirical CDFs, ms) of each server's run of the same trace, side by side."""
+    """TTFT and TPOT distributions (empirical CDFs, ms) of each server's run of the same trace, side by side (one run
+    each: the title gives each one's median TTFT, nothing about repeats)."""
     from plotly.subplots import make_subplots
 
     from ..plots import PALETTE, TEMPLATE
@@ -34,11 +35,11 @@ def latency_cdf_figure(results: dict[str, ReplayResult]):
         medians[name] = res.summary().ttft.median
     fastest = min(medians, key=medians.get)
     if len(medians) == 1:
-        title = f"{fastest}: median TTFT {medians[fastest] * 1e3:,.0f} ms"
+        title = f"One run: {fastest}'s median TTFT {medians[fastest] * 1e3:,.0f} ms"
     else:
         slowest = max(medians, key=medians.get)
-        title = (f"Same trace: {fastest}'s median TTFT is {medians[fastest] * 1e3:,.0f} ms, {slowest}'s "
-                 f"{medians[slowest] * 1e3:,.0f} ms")
+        title = (f"One run each of the same trace: {fastest}'s median TTFT {medians[fastest] * 1e3:,.0f} ms, "
+                 f"{slowest}'s {medians[slowest] * 1e3:,.0f} ms")
     fig.update_layout(template=TEMPLATE, height=440, hovermode="closest", title=title,
                       legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="center", x=0.5))
     fig.update_xaxes(title="time to first token (ms)", row=1, col=1)

@@ -3,13 +3,15 @@ queueing read from the time to first token across a run, and the knee.
 
 * :func:`capacity_per_s`: an estimate of the request rate a server can sustain, from its decode step with
   ``slots`` answers in flight and the time a prompt's prefill takes: the sweep's rates are multiples of it.
-* :func:`queueing`: one run's verdict. A server that keeps up answers the last requests of a trace about
-  as fast as the first ones; one that does not makes each later request wait behind the earlier ones, so
-  the time to first token grows with the request's index. The ratio of the median TTFT of the last third
-  of the requests to that of the first third is the test (``growth_limit``); served requests per second
-  over the arrival window plus the drain, and the drain itself, are reported beside it.
+* :func:`ttft_growth`: one run's median TTFT of the last third of its requests over that of the first third. A
+  server that keeps up answers the last requests about as fast as the first ones; one that does not makes each
+  later request wait behind the earlier ones. But the ratio also carries the trace's own shape (a burst of
+  arrivals, or long prompts, in one third), at every rate.
+* :func:`queueing`: one run's verdict, relative to the same trace at the lowest rate offered: the run queued
+  when its growth is at least ``growth_limit`` times the median growth of the lowest rate's repeats (a ratio of
+  ratios, in which the trace's shape cancels). The drain after the last arrival is reported beside it.
 * :func:`served_knee`: over repeated runs at several rates, the highest rate at which no repeat queued and
-  the lowest at which every repeat did.
+  the lowest at which every repeat did; :attr:`Knee.limit_band` the limits that give the same verdicts.
 """
 from __future__ import annotations
 
@@ -22,8 +24,8 @@ from ..validation import check_finite, check_positive_int
 from .client import ReplayResult
 from .metrics import SLO, ServingSummary, goodput, request_metrics
 
-#: A run queued when the last third of its requests waited this many times longer for a first token than the first third
-#: (runs that kept up sit well below 1 on this chapter's trace).
+#: A run queued when its TTFT growth (last third / first third) is at least this many times that of the same trace at
+#: the lowest rate offered. A choice, not a measurement: :attr:`Knee.limit_band` says which limits give the same verdicts.
 GROWTH_LIMIT = 1.5
 
 
@@ -64,8 +66,10 @@ def slo_from_solo(solo_ttft_s: float, solo_tpot_s: float, *, ttft_factor: float,
 
 @dataclass(frozen=True)
 class Queueing:
-    """One run: offered and served requests/s, the arrival window and the drain after it (s), the median TTFT of
-    the first and of the last third of the requests (s), their ratio, and whether the run queued."""
+    """One run: offered and served requests/s (served: completed over the arrival window plus the drain), the arrival
+    window and the drain after it (s), the median TTFT of the first and of the last third of the requests (s), their
+    ratio (``growth``), the same trace's growth at the lowest rate (``baseline_growth``), the run's growth over it
+    (``relative_growth``), and whether the run queued."""
 
     offered_per_s: float
     served_per_s: float
@@ -74,23 +78,56 @@ class Queueing:
     ttft_first_s: float
     ttft_last_s: float
     growth: float
+    baseline_growth: float
+    relative_growth: float
     queued: bool
 
 
-def queueing(result: ReplayResult, *, growth_limit: float = GROWTH_LIMIT) -> Queueing:
-    """Did the server keep up with this run? Its requests in trace order, split in thirds: the run queued when the
-    last third's median TTFT is at least ``growth_limit`` times the first third's. Needs 3 successful requests."""
-    check_finite("growth_limit", growth_limit, minimum=1.0, strict=True)
+def _thirds(result: ReplayResult) -> tuple[float, float, int]:
     ok = sorted((r for r in result.records if r.success), key=lambda r: r.index)
     if len(ok) < 3:
         raise ValueError(f"a queueing verdict needs at least 3 successful requests, got {len(ok)}")
     ttfts = [request_metrics(r).ttft_s for r in ok]
     third = len(ttfts) // 3
-    first, last = float(np.median(ttfts[:third])), float(np.median(ttfts[-third:]))
+    return float(np.median(ttfts[:third])), float(np.median(ttfts[-third:])), third
+
+
+def ttft_growth(result: ReplayResult) -> float:
+    """The median TTFT of the last third of a run's successful requests (in trace order) over that of the first third.
+    Needs 3 successful requests."""
+    first, last, _ = _thirds(result)
+    return last / first if first > 0 else float("inf")
+
+
+def queueing(result: ReplayResult, *, baseline_growth: float, growth_limit: float = GROWTH_LIMIT) -> Queueing:
+    """Did the server keep up with this run? The run queued when its :func:`ttft_growth` is at least ``growth_limit``
+    times ``baseline_growth``, the growth of the same trace at a rate the server keeps up with (:func:`baseline_growth`:
+    the lowest rate offered). The trace's own shape -- a burst of arrivals in its first third makes that third wait
+    longer at every rate -- is in both and cancels. Needs 3 successful requests."""
+    check_finite("growth_limit", growth_limit, minimum=1.0, strict=True)
+    check_finite("baseline_growth", baseline_growth, minimum=0.0, strict=True)
+    first, last, _ = _thirds(result)
     growth = last / first if first > 0 else float("inf")
+    relative = growth / baseline_growth
+    ok = sum(r.success for r in result.records)
     window = max(r.start_s for r in result.records)
-    return Queueing(result.trace.rate_per_s, len(ok) / result.duration_s, window, result.duration_s - window,
-                    first, last, growth, growth >= growth_limit)
+    return Queueing(result.trace.rate_per_s, ok / result.duration_s, window, result.duration_s - window,
+                    first, last, growth, baseline_growth, relative, relative >= growth_limit)
+
+
+def baseline_growth(points: Sequence["RatePoint"]) -> float:
+    """The reference of :func:`queueing`: the median :func:`ttft_growth` of the repeats at the lowest rate offered."""
+    if not points:
+        raise ValueError("baseline_growth needs at least one run")
+    lowest = next(iter(by_rate(points).values()))
+    return float(np.median([ttft_growth(p.result) for p in lowest]))
+
+
+def sweep_queueing(points: Sequence["RatePoint"], *, growth_limit: float = GROWTH_LIMIT) -> dict[float, list[Queueing]]:
+    """Every run of one server's sweep judged against the same trace at its lowest rate, by rate (increasing)."""
+    base = baseline_growth(points)
+    return {rate: [queueing(p.result, baseline_growth=base, growth_limit=growth_limit) for p in pts]
+            for rate, pts in by_rate(points).items()}
 
 
 @dataclass(frozen=True)
@@ -124,11 +161,23 @@ def by_rate(points: Sequence[RatePoint]) -> dict[float, list[RatePoint]]:
 class Knee:
     """Where a server stopped keeping up: ``keeps_up_to`` the highest rate at which no repeat queued (None: it
     queued at every rate), ``queues_from`` the lowest rate at which every repeat did (None: no rate did);
-    ``verdicts`` each rate's repeats (True: queued)."""
+    ``verdicts`` each rate's repeats (True: queued); ``relative`` each repeat's TTFT growth over the lowest rate's
+    (the figure judged); ``growth_limit`` the limit applied."""
 
     keeps_up_to: float | None
     queues_from: float | None
     verdicts: dict[float, list[bool]]
+    relative: dict[float, list[float]]
+    growth_limit: float = GROWTH_LIMIT
+
+    @property
+    def limit_band(self) -> tuple[float | None, float | None]:
+        """The limits that give every run the same verdict: any limit above the largest relative growth of a run that
+        kept up (the first value; None: no run did) and at most the smallest of a run that queued (the second; None:
+        none did)."""
+        kept = [g for gs in self.relative.values() for g in gs if g < self.growth_limit]
+        queued = [g for gs in self.relative.values() for g in gs if g >= self.growth_limit]
+        return (max(kept) if kept else None, min(queued) if queued else None)
 
     def sentence(self) -> str:
         rates = list(self.verdicts)
@@ -145,53 +194,90 @@ class Knee:
 
 
 def served_knee(points: Sequence[RatePoint], *, growth_limit: float = GROWTH_LIMIT) -> Knee:
-    """The knee of one server's sweep, from the queueing verdict of every repeat at every rate."""
+    """The knee of one server's sweep, from the queueing verdict of every repeat at every rate (each judged against
+    the same trace at the lowest rate offered, :func:`sweep_queueing`)."""
     if not points:
         raise ValueError("served_knee needs at least one run")
-    verdicts = {rate: [queueing(p.result, growth_limit=growth_limit).queued for p in pts]
-                for rate, pts in by_rate(points).items()}
+    judged = sweep_queueing(points, growth_limit=growth_limit)
+    verdicts = {rate: [q.queued for q in qs] for rate, qs in judged.items()}
     queues_from = next((r for r, v in verdicts.items() if all(v) and all(all(w) for s, w in verdicts.items() if s > r)),
                        None)
     calm = [r for r, v in verdicts.items() if not any(v) and (queues_from is None or r < queues_from)]
-    return Knee(max(calm) if calm else None, queues_from, verdicts)
+    return Knee(max(calm) if calm else None, queues_from, verdicts,
+                {rate: [q.relative_growth for q in qs] for rate, qs in judged.items()}, growth_limit)
 
 
 # --- figures (pure functions of finished runs) ---------------------------------------------------------------------
 
 def rate_sweep_figure(sweeps: dict[str, list[RatePoint]], *, growth_limit: float = GROWTH_LIMIT):
-    """Served requests/s, p90 TTFT and TTFT growth (last third / first third) against offered load, per server:
-    each repeat a marker, a line through the medians."""
+    """The drain after the last arrival (s), p90 TTFT and TTFT growth relative to the lowest rate against offered load,
+    per server: each repeat a marker, a line through the medians."""
     from plotly.subplots import make_subplots
 
     from ..plots import PALETTE, TEMPLATE
 
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08,
-                        subplot_titles=("served vs offered", "p90 TTFT", "TTFT, last third / first third"))
-    top = 0.0
+                        subplot_titles=("drain after the last arrival", "p90 TTFT",
+                                        "TTFT growth over the lowest rate's"))
     for (name, points), color in zip(sweeps.items(), PALETTE):
         groups = by_rate(points)
-        for col, value in ((1, lambda p: p.summary.request_throughput), (2, lambda p: p.summary.ttft.p(90) * 1e3),
-                           (3, lambda p: queueing(p.result, growth_limit=growth_limit).growth)):
-            xs = [p.rate_per_s for pts in groups.values() for p in pts]
-            ys = [value(p) for pts in groups.values() for p in pts]
-            fig.add_scatter(x=xs, y=ys, mode="markers", marker=dict(color=color, size=8, opacity=0.6),
-                            name=name, legendgroup=name, showlegend=False, row=1, col=col,
+        judged = sweep_queueing(points, growth_limit=growth_limit)
+        for col, value in ((1, lambda p, q: q.drain_s), (2, lambda p, q: p.summary.ttft.p(90) * 1e3),
+                           (3, lambda p, q: q.relative_growth)):
+            pairs = [(p, q) for rate, pts in groups.items() for p, q in zip(pts, judged[rate])]
+            fig.add_scatter(x=[p.rate_per_s for p, _ in pairs], y=[value(p, q) for p, q in pairs], mode="markers",
+                            marker=dict(color=color, size=8, opacity=0.6), name=name, legendgroup=name,
+                            showlegend=False, row=1, col=col,
                             hovertemplate="offered %{x:.2f} req/s: %{y:.2f}<extra>" + name + "</extra>")
-            fig.add_scatter(x=list(groups), y=[float(np.median([value(p) for p in pts])) for pts in groups.values()],
+            fig.add_scatter(x=list(groups), y=[float(np.median([value(p, q) for p, q in zip(pts, judged[rate])]))
+                                               for rate, pts in groups.items()],
                             mode="lines", line_color=color, name=name, legendgroup=name, showlegend=col == 1,
                             row=1, col=col, hoverinfo="skip")
-        top = max(top, max(groups))
-    fig.add_scatter(x=[0, top], y=[0, top], mode="lines", line=dict(dash="dot", color="grey"), name="served = offered",
-                    row=1, col=1)
     fig.add_hline(y=growth_limit, line_dash="dash", line_color="grey", row=1, col=3,
                   annotation_text=f"queued (×{growth_limit:g})")
     fig.update_layout(template=TEMPLATE, height=440, hovermode="closest",
                       legend=dict(orientation="h", yanchor="top", y=-0.22, xanchor="center", x=0.5),
-                      title="Past its capacity a server serves less than it is offered, and later requests wait longer")
+                      title="Against offered load: the drain after the last arrival, the p90 TTFT, and the TTFT's "
+                            "growth across the trace relative to the lowest rate")
     fig.update_xaxes(title="offered load (requests/s)")
-    fig.update_yaxes(title="requests/s", row=1, col=1)
+    fig.update_yaxes(title="s", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title="ms", row=1, col=2)
     fig.update_yaxes(title="ratio", type="log", row=1, col=3)
+    return fig
+
+
+def ttft_by_index_figure(sweeps: dict[str, list[RatePoint]], *, capacity: dict[str, float] | None = None):
+    """Each request's TTFT (ms) against its place in the trace, one panel per server, one line per run (a colour per
+    offered rate); dotted lines mark the first and the last third, the two that :func:`ttft_growth` compares."""
+    from plotly.subplots import make_subplots
+
+    from ..plots import PALETTE, TEMPLATE
+
+    names = list(sweeps)
+    fig = make_subplots(rows=1, cols=len(names), shared_yaxes=True, horizontal_spacing=0.05, subplot_titles=names)
+    for col, name in enumerate(names, start=1):
+        groups = by_rate(sweeps[name])
+        for k, (rate, pts) in enumerate(groups.items()):
+            color = PALETTE[k % len(PALETTE)]
+            label = f"{rate:.2f} req/s" + (f" ({rate / capacity[name]:.2f}×)" if capacity and name in capacity else "")
+            for j, p in enumerate(pts):
+                ok = sorted((r for r in p.result.records if r.success), key=lambda r: r.index)
+                fig.add_scatter(x=[r.index for r in ok], y=[request_metrics(r).ttft_s * 1e3 for r in ok],
+                                mode="lines+markers", line=dict(color=color, width=1.5, dash="solid" if j == 0 else "dot"),
+                                marker=dict(size=4, color=color), name=f"{name}: {label}", legendgroup=f"{name}{rate}",
+                                showlegend=j == 0, row=1, col=col,
+                                hovertemplate="request %{x}: TTFT %{y:,.0f} ms<extra>" + f"{name}, {label}, repeat {p.repeat}"
+                                              + "</extra>")
+        n = max(len(p.result.records) for p in sweeps[name])
+        third = n // 3
+        for x in (third - 0.5, n - third - 0.5):
+            fig.add_vline(x=x, line_dash="dot", line_color="grey", row=1, col=col)
+        fig.update_xaxes(title="request (trace order)", row=1, col=col)
+    fig.update_yaxes(title="TTFT (ms)", type="log", row=1, col=1)
+    fig.update_layout(template=TEMPLATE, height=460, hovermode="closest",
+                      legend=dict(orientation="h", yanchor="top", y=-0.2, xanchor="center", x=0.5),
+                      title="Each request's TTFT in trace order, one line per run (dotted: later repeats); "
+                            "the grey lines bound the first and the last third")
     return fig
 
 

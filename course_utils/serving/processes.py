@@ -40,6 +40,32 @@ def stop_all_servers() -> None:
         server.stop()
 
 
+def process_label(proc) -> str:
+    """A process's name (``psutil.Process``); for a Python interpreter, what it runs: ``python -m MODULE`` gives
+    ``python: MODULE``, a script its file name, ``python -c`` the code's first import (a
+    ``multiprocessing`` helper, a compile worker), so that a server's helper processes can be told apart."""
+    name = proc.name()
+    if not name.lower().startswith("python"):
+        return name
+    try:
+        args = proc.cmdline()[1:]
+    except Exception:   # noqa: BLE001 -- gone, or not ours to read
+        return name
+    while args and args[0].startswith("-") and args[0] not in ("-m", "-c"):
+        args = args[1:]                                  # interpreter options (-u, -E, -B, ...)
+    if len(args) >= 2 and args[0] == "-m":
+        return f"{name}: {args[1]}"
+    if len(args) >= 2 and args[0] == "-c":
+        code = args[1]
+        for word in ("from ", "import "):
+            if word in code:
+                return f"{name}: {code.split(word, 1)[1].split()[0].rstrip(';,')}"
+        return f"{name}: -c"
+    if args:
+        return f"{name}: {Path(args[0]).name if Path(args[0]).name != '__main__.py' else Path(args[0]).parent.name}"
+    return name
+
+
 class ServerProcess:
     """A server started as a child process (its own process group) on loopback.
 
@@ -84,7 +110,7 @@ class ServerProcess:
         total, self._samples = 0, self._samples + 1
         for i, p in enumerate(self._processes(refresh=self._samples % 5 == 1)):
             try:
-                rss, name = p.memory_info().rss, (self.name if i == 0 else p.name())
+                rss, name = p.memory_info().rss, (self.name if i == 0 else process_label(p))
             except Exception:   # noqa: BLE001 -- gone between listing and reading
                 continue
             _, peak = self._process_peaks.get(p.pid, (name, 0))
@@ -103,6 +129,18 @@ class ServerProcess:
         for name, peak in self._process_peaks.values():
             out[name] = max(out.get(name, 0), peak)
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def cpu_s(self) -> float:
+        """CPU time (user + system, s) used so far by the server's processes that are running now (the list is
+        refreshed): read it before and after a stretch of time to see how busy the server was meanwhile."""
+        total = 0.0
+        for p in self._processes():
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except Exception:   # noqa: BLE001 -- gone between listing and reading
+                continue
+        return total
 
     def leftover_processes(self) -> list[int]:
         """Process ids of the server's processes (every one seen while it ran) that still exist, zombies aside."""
