@@ -197,3 +197,50 @@ def test_the_request_model_accepts_what_the_course_client_and_vllm_bench_send():
     bench = {"model": "m", "prompt": "Hi", "repetition_penalty": 1.0, "max_tokens": 4, "logprobs": None,
              "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0}
     assert CompletionBody.model_validate(bench).max_tokens == 4
+
+
+# ---- the server: a bounded queue, a failing step ------------------------------------------------------------------------
+
+@pytest.fixture
+def small_server(tiny_gguf):
+    from course_utils.engine_server import EngineServer
+    from course_utils.models import load_model
+    torch.set_grad_enabled(False)
+    model, tok = load_model(str(tiny_gguf), verbose=False)
+    engine = LLMEngine(model, num_blocks=32, block_size=8, max_num_seqs=1)
+    server = EngineServer(engine, tok, model_name="tiny", max_queued=1).start_in_thread()
+    yield server, engine, model
+    server.close()
+
+
+def test_a_full_queue_answers_429_and_a_failing_step_leaves_the_server_serving(small_server):
+    import asyncio
+
+    import httpx
+    server, engine, model = small_server
+
+    async def main():
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            post = lambda p, n: client.post(server.url + "/v1/completions", json={
+                "prompt": p, "max_tokens": n, "ignore_eos": True, "return_token_ids": True})
+            first = asyncio.create_task(post([1, 2, 3], 200))     # takes the one slot
+            while not server.active:
+                await asyncio.sleep(0.01)
+            second = asyncio.create_task(post([4, 5, 6], 4))       # the one queued place
+            while not server.queued and len(server.engine.scheduler.waiting) == 0:
+                await asyncio.sleep(0.001)
+            third = await post([7, 8, 9], 4)                       # refused
+            return await first, await second, third
+    first, second, third = asyncio.run(main())
+    assert (first.status_code, second.status_code, third.status_code) == (200, 200, 429)
+    assert "queue is full" in third.json()["error"]["message"]
+
+    _fail_when(engine, 99)
+    bad = httpx.post(server.url + "/v1/completions", json={"prompt": [99, 1], "max_tokens": 3}, timeout=60,
+                     trust_env=False)
+    assert bad.status_code == 500 and "MemoryError" in bad.json()["error"]["message"]
+    assert httpx.get(server.url + "/health", trust_env=False).status_code == 200
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": [99, 1], "max_tokens": 3, "ignore_eos": True,
+                                                          "return_token_ids": True}, timeout=60, trust_env=False)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == _solo(model, [99, 1], 3)
+    assert engine.block_manager.num_free_blocks == 32 and engine.sequences == {}

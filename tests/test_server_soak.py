@@ -240,5 +240,7 @@ def test_a_disconnected_clients_blocks_are_back_within_one_step(served):
     assert len(gone) == 1
     assert status == "dropped" and keep_status == 200 and keep_ids == _solo(reference, [7, 8, 9], 60)
     after = [ids for t, ids in starts if t > dropped_at]
-    assert len(after) > 3 and sum(bool(ids & gone) for ids in after) <= 1, "it kept computing after its client left"
+    late = sum(bool(ids & gone) for ids in after)
+    print(f"disconnect: {late} step(s) started after the client left still held the request ({len(after)} after)")
+    assert len(after) > 3 and late <= 1, "it kept computing after its client left"
     assert engine.block_manager.num_free_blocks == 64
