@@ -159,8 +159,9 @@ def agreement(ours: Sequence[Sequence[RequestTimes]], theirs: Sequence[Sequence[
 
 
 def machine_busy(margin: float = 1.0) -> tuple[bool, str]:
-    """Whether other work crowds this machine's CPUs now: the one-minute load average above the number of CPUs plus
-    ``margin`` (the servers and clients of a check count for about one). Returns (busy, a description). Where the
+    """Whether work crowds this machine's CPUs now: the one-minute load average above the number of CPUs plus
+    ``margin``. The limit is a choice, not a measurement: the average lags (it weighs the last minute or more) and
+    counts every process, the servers and clients of the check included. Returns (busy, a description). Where the
     load average is unknown (Windows), the machine counts as not busy. On a busy machine each client's process waits
     its turn for a CPU before it reads a chunk, by tens of milliseconds: the live check cannot resolve half a step."""
     cpus = os.cpu_count() or 1
