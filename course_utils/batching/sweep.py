@@ -144,7 +144,7 @@ def decode_step_grid(model, batch_sizes, contexts, *, caches: dict | None = None
     """
     from transformers import DynamicCache
 
-    from ..measure import time_call
+    from ..measure import time_call, trim_heap
     sizes = _check_batch_sizes(batch_sizes)
     ctxs = _check_batch_sizes(contexts)
     check_positive_int("repeats", repeats)
@@ -164,8 +164,14 @@ def decode_step_grid(model, batch_sizes, contexts, *, caches: dict | None = None
         for name, b, c in points:
             cache = fill_cache(caches[name](), layers, b, c)
             step = lambda: model(first.expand(b)[:, None], cache=cache, use_cache=True)  # noqa: E731
-            t = time_call(step, warmup=1, repeats=steps_per_fill, device=device)
-            samples[(name, b, c)].append(float(np.median(t.samples_s)))
+            timed = []
+            for k in range(steps_per_fill + 1):               # a warm-up step, then the timed ones
+                timed.append(time_call(step, warmup=0, repeats=1, device=device).samples_s[0])
+                # each step copies the whole cache to append one token and frees the old copy; glibc keeps such
+                # freed buffers, so without this the copies pile up (hundreds of MB at 8,192 tokens)
+                trim_heap()
+            samples[(name, b, c)].append(float(np.median(timed[1:])))
             del cache
+            trim_heap()                                         # before the next fill: the peak is at a fill
     return [GridPoint(name, b, c, float(np.median(s)), (max(s) - min(s)) / 2, tuple(s))
             for (name, b, c), s in samples.items()]
