@@ -590,3 +590,37 @@ def bake_quantized(model) -> None:
     for module in model.modules():
         if parametrize.is_parametrized(module, "weight"):
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+
+
+# --- judging against several references at once ------------------------------------------------------------
+
+
+@torch.no_grad()
+def compare_to_references(model, refs: dict) -> dict:
+    """``{name: compare_to_reference(model, ref)}`` (chapter 07's comparison) for references recorded on the same
+    text and windows, from **one** pass of ``model`` over the scored positions: chapter 09 judges a quantized
+    student against the full-precision student and against the teacher, and the model's log-probabilities are
+    the same for both. Each result equals what :func:`course_utils.evaluate.compare_to_reference` returns."""
+    from .evaluate import KLDResult, ReferenceRun, scored_logprobs, token_stats
+    if not isinstance(refs, dict) or not refs:
+        raise ValueError("refs must be a non-empty dict {name: ReferenceRun}")
+    first = next(iter(refs.values()))
+    for name, ref in refs.items():
+        if not isinstance(ref, ReferenceRun):
+            raise TypeError(f"refs[{name!r}] must be a ReferenceRun from record_reference, got {type(ref).__name__}")
+        if not ref.chunks:
+            raise ValueError(f"refs[{name!r}] was released; record it again")
+        if ref.windows != first.windows or not torch.equal(ref.ids.cpu(), first.ids.cpu()):
+            raise ValueError(f"refs[{name!r}] was recorded on other text or windows than the first reference: "
+                             "one pass serves only references of the same scored positions")
+    t0, parts, a = time.perf_counter(), {name: [] for name in refs}, 0
+    for lq, t in scored_logprobs(model, first.ids, first.windows):
+        if lq.shape[-1] != first.vocab_size:
+            raise ValueError(f"the candidate's vocabulary has {lq.shape[-1]:,} tokens, the references' "
+                             f"{first.vocab_size:,}: KL divergence needs the same vocabulary")
+        for name, ref in refs.items():
+            parts[name].append(token_stats(ref.rows(a, a + len(t)), lq, t))
+        a += len(t)
+    seconds = time.perf_counter() - t0
+    return {name: KLDResult(**{k: torch.cat([p[k] for p in ps]).numpy() for k in ps[0]}, seconds=seconds)
+            for name, ps in parts.items()}

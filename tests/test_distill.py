@@ -405,3 +405,28 @@ def test_a_model_that_rescales_its_logits_is_refused(teacher):
     student.forward = scaled
     with pytest.raises(ValueError, match="after the LM head"):
         D.train_student(student, data, loss="soft", steps=1)
+
+
+# --- one pass judged against several references -------------------------------------------------------------
+
+def test_one_pass_against_two_references_equals_two_separate_comparisons(teacher, tmp_path):
+    import numpy as np
+
+    from course_utils.evaluate import Windows, compare_to_reference, record_reference
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(3))
+    windows = Windows(n_tokens=24, window=20, stride=12, chunk=4)
+    other = D.student_from_teacher(teacher, [0, 3])
+    refs = {"teacher": record_reference(teacher, ids[:, :windows.tokens_needed], windows),
+            "other": record_reference(other, ids[:, :windows.tokens_needed], windows, spill_dir=str(tmp_path))}
+    candidate = D.student_from_teacher(teacher, [1])
+    both = D.compare_to_references(candidate, refs)
+    for name, ref in refs.items():
+        alone = compare_to_reference(candidate, ref)
+        for field in ("kld", "nll", "nll_base", "p_diff", "same_top"):
+            assert np.array_equal(getattr(both[name], field), getattr(alone, field)), (name, field)
+    assert not np.array_equal(both["teacher"].kld, both["other"].kld)       # each against its own reference
+    shifted = record_reference(teacher, ids[:, 1:windows.tokens_needed + 1], windows)
+    with pytest.raises(ValueError, match="other text or windows"):
+        D.compare_to_references(candidate, {"teacher": refs["teacher"], "shifted": shifted})
+    with pytest.raises(ValueError, match="non-empty"):
+        D.compare_to_references(candidate, {})
