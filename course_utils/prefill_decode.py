@@ -267,6 +267,27 @@ def weight_matvec_s(model, *, repeats: int = 5, device="cpu") -> Timing:
     return time_call(matvec_pass(step_weight_matrices(model)), warmup=1, repeats=repeats, device=device)
 
 
+def cache_append_pass(cache) -> Callable[[], None]:
+    """A callable doing only a decode step's writes to ``cache``: one new position appended to every layer
+    (``cache.update``, as the model's attention calls it), then cropped back, so every call sees the same length.
+
+    transformers' ``DynamicCache`` appends with ``torch.cat``: each call allocates a new tensor per layer and copies
+    the whole history into it, so its time grows with the cached tokens. A preallocated cache (``StaticCache``, a
+    serving engine's blocks) writes one slot instead. The cache must hold at least one position.
+    """
+    layers = getattr(cache, "layers", None)
+    if not layers or cache.get_seq_length() < 1:
+        raise ValueError("cache must be a transformers cache holding at least one position (prefill it first)")
+    news = [(layer.keys[..., -1:, :].clone(), layer.values[..., -1:, :].clone()) for layer in layers]
+
+    @torch.no_grad()
+    def run():
+        for i, (k, v) in enumerate(news):
+            cache.update(k, v, i)
+        cache.crop(-1)                       # drop the position just appended
+    return run
+
+
 def decode_floor_s(bytes_read: int, bandwidth_Bps: float) -> float:
     """Lower bound of a decode step: every byte it must read (:func:`decode_step_bytes`) crosses the memory bus once."""
     if bytes_read <= 0 or not bandwidth_Bps > 0:

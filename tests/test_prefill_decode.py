@@ -277,3 +277,21 @@ def test_roofline_figure_draws_both_roofs_and_every_point():
     assert fig.layout.xaxis.type == "log" and fig.layout.yaxis.type == "log"
     with pytest.raises(ValueError):
         pd.roofline_figure(points, peak_flops=0, bandwidth_Bps=bw, title="t")
+
+
+def test_cache_append_pass_copies_the_whole_history_and_keeps_the_length(tiny_model):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (1, 20))
+    cache = DynamicCache(config=tiny_model.config)
+    prefill(tiny_model, ids, cache)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+    ptrs = [layer.keys.data_ptr() for layer in cache.layers]
+    pd.cache_append_pass(cache)()
+    assert cache.get_seq_length() == 20
+    for layer, (k, v) in zip(cache.layers, before):
+        torch.testing.assert_close(layer.keys, k)
+        torch.testing.assert_close(layer.values, v)
+    # DynamicCache appends by concatenation: every layer's history now lives in new storage (it was copied)
+    assert all(layer.keys.data_ptr() != p for layer, p in zip(cache.layers, ptrs))
+    with pytest.raises(ValueError, match="at least one position"):
+        pd.cache_append_pass(DynamicCache(config=tiny_model.config))
