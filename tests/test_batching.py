@@ -5,12 +5,12 @@ import numpy as np
 import plotly.graph_objects as go
 import pytest
 
-from course_utils.batching import (RooflinePoint, StepCost, SweepPoint, decode_intensity, decode_step_sweep,
+from course_utils.batching import (RooflinePoint, StepCost, SweepPoint, cache_step_bytes, decode_intensity, decode_step_sweep,
                                    doubling_gains, find_knee, knees_per_round, paged_kv_bytes, policy_gantt,
                                    reserved_kv_bytes, roofline_crossover_batch, roofline_sweep,
                                    round_preserving_total, simulate, skewed_lengths, sweep_figure,
-                                   syllabus_output_lengths, time_block_gather)
-from course_utils.models import ModelDims
+                                   sweep_step_copies_cache, syllabus_output_lengths, time_block_gather)
+from course_utils.models import ModelDims, model_dims
 
 REF_TOK_S = [7.0, 13.0, 25.0, 41.0, 42.0 * 1.0, 45.78, 50.0]   # flattens after 8
 
@@ -195,7 +195,11 @@ def test_roofline_sweep_follows_the_larger_of_two_floors(tiny_llama):
     pts = roofline_sweep(tiny_llama, (1, 2, 4, 64), context_len=8, peak_flops=peak, bandwidth_Bps=bw)
     for p in pts:
         assert p.compute_s == pytest.approx(forward_flops(tiny_llama, 1, 8, batch=p.batch) / peak)
-        assert p.memory_s == pytest.approx(decode_step_bytes(tiny_llama, 8, batch=p.batch) / bw)
+        once = decode_step_bytes(tiny_llama, 8, batch=p.batch)          # weights once and the cache read once
+        kv = p.batch * 8 * model_dims(tiny_llama.config).kv_elements_per_token * tiny_llama.get_input_embeddings().weight.element_size()
+        # the sweep's cache grows by a copy: read 8 positions, write 9, attention reads the 9 again
+        assert p.memory_s == pytest.approx((once + 2 * kv * 9 / 8) / bw)
+        assert p.memory_s > once / bw * (1 + 1e-9)
         assert p.step_s == max(p.compute_s, p.memory_s) and p.bound == ("compute" if p.compute_s >= p.memory_s else "memory")
     b = roofline_crossover_batch(tiny_llama, context_len=8, peak_flops=peak, bandwidth_Bps=bw)
     below, at = (roofline_sweep(tiny_llama, [x], context_len=8, peak_flops=peak, bandwidth_Bps=bw)[0] for x in (b - 1, b))
@@ -206,12 +210,32 @@ def test_roofline_sweep_follows_the_larger_of_two_floors(tiny_llama):
         roofline_sweep(tiny_llama, (1,), context_len=8, peak_flops=0, bandwidth_Bps=bw)
 
 
+def test_cache_passes_charge_the_copy_a_concatenating_cache_makes(tiny_llama):
+    from course_utils.prefill_decode import decode_step_bytes
+    per_pos = model_dims(tiny_llama.config).kv_elements_per_token * tiny_llama.get_input_embeddings().weight.element_size()
+    assert cache_step_bytes(tiny_llama, 8, batch=3, cache_passes=1) == 3 * 8 * per_pos
+    assert cache_step_bytes(tiny_llama, 8, batch=3) == 3 * (8 + 9 + 9) * per_pos
+    once = roofline_sweep(tiny_llama, (1, 4), context_len=8, peak_flops=1e9, bandwidth_Bps=1e9, cache_passes=1)
+    assert [p.memory_s for p in once] == pytest.approx([decode_step_bytes(tiny_llama, 8, batch=b) / 1e9 for b in (1, 4)])
+    three = roofline_crossover_batch(tiny_llama, context_len=8, peak_flops=1e9, bandwidth_Bps=1e9)
+    one = roofline_crossover_batch(tiny_llama, context_len=8, peak_flops=1e9, bandwidth_Bps=1e9, cache_passes=1)
+    assert one is not None and (three is None or three >= one)
+    with pytest.raises(ValueError, match="cache_passes"):
+        cache_step_bytes(tiny_llama, 8, batch=1, cache_passes=2)
+
+
+def test_the_sweeps_cache_grows_by_a_copy(tiny_model):
+    # transformers' DynamicCache concatenates: the step's cache lives in fresh storage, hence three passes
+    assert sweep_step_copies_cache(tiny_model) is True
+
+
 def test_decode_intensity_is_about_the_batch_for_two_byte_weights():
     dims = ModelDims(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, d_ff=128, vocab_size=100)
     assert decode_intensity(dims, 10**6, bytes_per_weight=2, batch=1, context_len=0) == pytest.approx(1.0, rel=1e-3)
     assert decode_intensity(dims, 10**6, bytes_per_weight=4, batch=8, context_len=0) == pytest.approx(4.0, rel=1e-3)
     long = decode_intensity(dims, 10**6, bytes_per_weight=2, batch=32, context_len=4096)
     assert long < 32                                         # the caches' bytes grow with the batch too
+    assert decode_intensity(dims, 10**6, bytes_per_weight=2, batch=32, context_len=4096, cache_passes=3) < long
     with pytest.raises(ValueError, match="batch"):
         decode_intensity(dims, 10**6, bytes_per_weight=2, batch=0, context_len=0)
 

@@ -3,13 +3,14 @@
 One module per idea; every name is re-exported here (``from course_utils.batching import X``).
 
 * :mod:`.sweep` -- :func:`decode_step_sweep` measures one decode step for B requests that each hold a
-  64-token cache; :func:`decode_step_grid` times the same step over batch size, context and cache
+  64-token cache (:func:`sweep_step_copies_cache`: whether its cache grows by a copy); :func:`decode_step_grid` times the same step over batch size, context and cache
   format (chapter 10).
 * :mod:`.knee` -- :func:`find_knee` finds where growing the batch stops paying, and
   :func:`doubling_gains` / :func:`knees_per_round` / :func:`knee_range` say how firmly, from the spread between
   rounds (a range of batch sizes, or no knee, as the rounds support).
 * :mod:`.roofline` -- :func:`roofline_sweep` and :func:`roofline_crossover_batch` predict the same
-  curve from chapter 02's two roofs (the machine's FLOP/s and bytes/s); :func:`decode_intensity` gives a
+  curve from chapter 02's two roofs (the machine's FLOP/s and bytes/s), the cache charged as the step moves it
+  (:func:`cache_step_bytes`); :func:`decode_intensity` gives a
   step's FLOP per byte from a model's shape alone (for a reference model not loaded here).
 * :mod:`.workload` -- :func:`syllabus_output_lengths` builds the chapter's workload (64 requests,
   median 18, longest 231, 1,874 output tokens); :func:`skewed_lengths` dials its skew.
@@ -30,16 +31,17 @@ from .figures import block_map_figure, gantt_figure, policy_gantt, sweep_figure
 from .knee import DoublingGain, KneeRange, doubling_gains, find_knee, knee_range, knees_per_round
 from .paged import (GatherCost, SharingSummary, block_gathers, paged_kv_bytes, reserved_kv_bytes, sharing_summary,
                     time_block_gather)
-from .roofline import RooflinePoint, decode_intensity, roofline_crossover_batch, roofline_sweep
+from .roofline import RooflinePoint, cache_step_bytes, decode_intensity, roofline_crossover_batch, roofline_sweep
 from .simulate import Schedule, Span, StepCost, simulate
-from .sweep import GridPoint, SweepPoint, decode_step_grid, decode_step_sweep, fill_cache, prefilled_layers
+from .sweep import (GridPoint, SweepPoint, decode_step_grid, decode_step_sweep, fill_cache, prefilled_layers,
+                    sweep_step_copies_cache)
 from .workload import round_preserving_total, skewed_lengths, syllabus_output_lengths
 
 __all__ = [
     "DoublingGain", "GatherCost", "GridPoint", "KneeRange", "RooflinePoint", "Schedule", "SharingSummary", "Span",
-    "StepCost", "SweepPoint", "block_gathers", "block_map_figure", "decode_intensity", "decode_step_grid", "decode_step_sweep", "doubling_gains",
+    "StepCost", "SweepPoint", "block_gathers", "block_map_figure", "cache_step_bytes", "decode_intensity", "decode_step_grid", "decode_step_sweep", "doubling_gains",
     "fill_cache", "find_knee", "gantt_figure", "knee_range", "knees_per_round", "paged_kv_bytes", "policy_gantt", "pool_blocks",
     "prefilled_layers", "reserved_kv_bytes", "roofline_crossover_batch", "roofline_sweep", "round_preserving_total",
-    "run_engine_workload", "schedule_from_engine", "sharing_summary", "simulate", "skewed_lengths", "sweep_figure",
+    "run_engine_workload", "schedule_from_engine", "sharing_summary", "simulate", "skewed_lengths", "sweep_figure", "sweep_step_copies_cache",
     "syllabus_output_lengths", "time_block_gather",
 ]

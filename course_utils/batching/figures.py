@@ -59,8 +59,9 @@ def sweep_figure(points: Sequence[SweepPoint], knee: int | KneeRange | None,
         tput = float(np.median([last.batch / first.batch * t0 / t1 for t0, t1 in zip(first.samples_s, last.samples_s)]))
     else:
         latency, tput = last.step_s / first.step_s, last.tokens_per_s / first.tokens_per_s
+    which = " (medians of the rounds' ratios)" if first.samples_s and len(first.samples_s) == len(last.samples_s) else ""
     title = (f"{last.batch / first.batch:.0f}x the requests bring {tput:.1f}x "
-             f"the throughput and {latency:.1f}x the latency" + knee_text)
+             f"the throughput and {latency:.1f}x the latency{which}" + knee_text)
     fig.update_layout(template=TEMPLATE, title=title, height=440, hovermode="closest",
                       legend=dict(orientation="h", x=0, xanchor="left", y=-0.22, yanchor="top"), margin=dict(b=110))
     fig.update_xaxes(type="log", title="batch size B (requests)", tickvals=b)
@@ -69,8 +70,9 @@ def sweep_figure(points: Sequence[SweepPoint], knee: int | KneeRange | None,
     return fig
 
 
-def gantt_figure(static: Schedule, continuous: Schedule) -> go.Figure:
-    """Slot occupancy over time under both policies; the same traces whatever the inputs (for widgets)."""
+def gantt_figure(static: Schedule, continuous: Schedule, *, which: str = "") -> go.Figure:
+    """Slot occupancy over time under both policies; the same traces whatever the inputs (for widgets).
+    ``which``: words the title adds to say which run the two schedules come from."""
     from plotly.subplots import make_subplots
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
                         subplot_titles=(f"static: done at {static.makespan_s:.1f} s",
@@ -93,7 +95,7 @@ def gantt_figure(static: Schedule, continuous: Schedule) -> go.Figure:
                       legend=dict(orientation="h", x=0, xanchor="left", y=-0.16, yanchor="top"),
                       margin=dict(b=110),
                       title=f"{static.slots} slots: continuous batching gives {speedup:.2f}x the throughput "
-                            f"and {latency:.1f}x lower mean latency")
+                            f"and {latency:.1f}x lower mean latency" + (f" ({which})" if which else ""))
     fig.update_yaxes(title="slot", autorange="reversed")
     fig.update_xaxes(title="time since all requests arrived (s)", row=2, col=1)
     return fig

@@ -82,6 +82,29 @@ def decode_step_sweep(model, batch_sizes=(1, 2, 4, 8, 16, 32, 64), *, context_le
     return [SweepPoint(b, float(np.median(s)), (max(s) - min(s)) / 2, tuple(s)) for b, s in samples.items()]
 
 
+@torch.no_grad()
+def sweep_step_copies_cache(model, *, context_len: int = 4, batch: int = 2) -> bool:
+    """Whether one decode step as :func:`decode_step_sweep` times it leaves every layer's keys and values in
+    fresh storage, i.e. the cache grew by copying the cached positions with the new one (a read, a write and
+    attention's read of the copy) rather than by appending in place."""
+    from ..kv_cache import prefill
+    check_positive_int("context_len", context_len)
+    check_positive_int("batch", batch)
+    from transformers import DynamicCache
+    ids = torch.zeros((1, context_len), dtype=torch.long, device=model.device)
+    base = DynamicCache(config=model.config)
+    first = prefill(model, ids, base).argmax(-1)
+    cache = _replicated_cache(model, [la.keys for la in base.layers], [la.values for la in base.layers], batch)
+    before = [(la.keys.data_ptr(), la.values.data_ptr()) for la in cache.layers]
+    old = [la.keys.clone() for la in cache.layers]
+    model(first.expand(batch)[:, None], cache=cache, use_cache=True)
+    grew = all(la.keys.shape[2] == context_len + 1 for la in cache.layers)
+    kept = all(torch.equal(la.keys[:, :, :context_len], o) for la, o in zip(cache.layers, old))
+    if not (grew and kept):
+        raise RuntimeError("the decode step did not append one position to the cache")
+    return all(la.keys.data_ptr() != k and la.values.data_ptr() != v for la, (k, v) in zip(cache.layers, before))
+
+
 @dataclass(frozen=True)
 class GridPoint:
     """One (cache format, batch size, context) of :func:`decode_step_grid`: the median seconds of one decode
