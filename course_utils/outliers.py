@@ -330,13 +330,18 @@ def smoothquant_output(x: torch.Tensor, w: torch.Tensor, alpha: float = 0.5, *, 
 
 
 def fix_errors(x: torch.Tensor, w: torch.Tensor, *, threshold: float = 6.0, alpha: float = 0.5,
-               x_calib: torch.Tensor | None = None) -> dict[str, float]:
+               x_calib: torch.Tensor | None = None, alpha_label: str | None = None) -> dict[str, float]:
     """The chapter's table: :func:`per_token_error` of each way to run ``x W^T`` in INT8.
 
     Every scale is computed from ``x`` itself (dynamic quantization) except SmoothQuant's
     smoothing factors, which come from ``x_calib`` when given (see :func:`smoothquant_output`).
+    ``alpha_label``: the words naming SmoothQuant's α in the method's name (default ``"alpha 0.5"``), so that
+    projections run at different calibrated α share one row name.
     """
     _check_xw(x, w)
+    if alpha_label is not None and (not isinstance(alpha_label, str) or not alpha_label.strip()):
+        raise ValueError(f"alpha_label must be a non-empty string, got {alpha_label!r}")
+    a_name = alpha_label if alpha_label is not None else f"alpha {alpha:g}"
     x, w = x.float(), w.float()
     y = x @ w.T
     outputs = {
@@ -345,14 +350,15 @@ def fix_errors(x: torch.Tensor, w: torch.Tensor, *, threshold: float = 6.0, alph
         "activations per-token": w8a8_output(x, w, "token"),
         "activations per-channel (not an integer matmul)": w8a8_output(x, w, "channel"),
         f"LLM.int8, threshold {threshold:g}": llm_int8_output(x, w, threshold),
-        f"SmoothQuant alpha {alpha:g}, per-tensor": smoothquant_output(x, w, alpha, act="tensor", x_calib=x_calib),
-        f"SmoothQuant alpha {alpha:g}, per-token": smoothquant_output(x, w, alpha, act="token", x_calib=x_calib),
+        f"SmoothQuant {a_name}, per-tensor": smoothquant_output(x, w, alpha, act="tensor", x_calib=x_calib),
+        f"SmoothQuant {a_name}, per-token": smoothquant_output(x, w, alpha, act="token", x_calib=x_calib),
     }
     return {name: per_token_error(y, y_hat) for name, y_hat in outputs.items()}
 
 
 def fix_errors_by_chunk(x: torch.Tensor, w: torch.Tensor, chunk_tokens: int, *, threshold: float = 6.0,
-                        alpha: float = 0.5, x_calib: torch.Tensor | None = None) -> dict[str, list[float]]:
+                        alpha: float = 0.5, x_calib: torch.Tensor | None = None,
+                        alpha_label: str | None = None) -> dict[str, list[float]]:
     """:func:`fix_errors` on each chunk of ``chunk_tokens`` consecutive rows of ``x`` (n_tokens, in):
     method -> one error per chunk (chapter 06).
 
@@ -368,7 +374,8 @@ def fix_errors_by_chunk(x: torch.Tensor, w: torch.Tensor, chunk_tokens: int, *, 
     if rest or n_chunks < 2:
         raise ValueError(f"x must hold a whole number (at least 2) of chunks of {chunk_tokens} tokens; "
                          f"got {x.shape[0]} tokens")
-    per_chunk = [fix_errors(c, w, threshold=threshold, alpha=alpha, x_calib=x_calib) for c in x.split(chunk_tokens)]
+    per_chunk = [fix_errors(c, w, threshold=threshold, alpha=alpha, x_calib=x_calib, alpha_label=alpha_label)
+                 for c in x.split(chunk_tokens)]
     return {method: [e[method] for e in per_chunk] for method in per_chunk[0]}
 
 

@@ -177,6 +177,21 @@ def test_fix_errors_and_sweeps():
     assert O.fix_errors(x, w, x_calib=x)["SmoothQuant alpha 0.5, per-tensor"] == errs["SmoothQuant alpha 0.5, per-tensor"]
 
 
+def test_fix_errors_runs_smoothquant_at_the_alpha_given():
+    torch.manual_seed(1)
+    x, w = torch.randn(40, 16), torch.randn(8, 16)
+    x[:, 3] *= 30                                           # an outlier column: alpha matters
+    at = O.fix_errors_by_chunk(x, w, 20, alpha=0.8, x_calib=x, alpha_label="calibrated alpha")
+    for i, chunk in enumerate(x.split(20)):
+        ref = O.fix_errors(chunk, w, alpha=0.8, x_calib=x)
+        assert at["SmoothQuant calibrated alpha, per-tensor"][i] == ref["SmoothQuant alpha 0.8, per-tensor"]
+        assert at["SmoothQuant calibrated alpha, per-token"][i] == ref["SmoothQuant alpha 0.8, per-token"]
+    half = O.fix_errors(x[:20], w, alpha=0.5, x_calib=x)["SmoothQuant alpha 0.5, per-tensor"]
+    assert at["SmoothQuant calibrated alpha, per-tensor"][0] != half       # not the default alpha under a new name
+    with pytest.raises(ValueError, match="alpha_label"):
+        O.fix_errors(x, w, alpha_label="")
+
+
 def test_fix_errors_by_chunk_is_fix_errors_on_each_chunk():
     torch.manual_seed(0)
     x, w = torch.randn(60, 32), torch.randn(16, 32)
