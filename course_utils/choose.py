@@ -112,8 +112,8 @@ class StepTimes:
     def __init__(self, points: dict):
         if not isinstance(points, dict) or not points:
             raise ValueError("points must map a dtype name to the GridPoints timed for it")
-        self.table: dict[tuple[str, str, int], list[tuple[int, float, float]]] = {}
-        self.ranges: dict[tuple[str, str, int], list[tuple[int, float, float]]] = {}
+        # (dtype, cache, batch) -> [(context, step, spread, fastest round, slowest round)], by context
+        self.table: dict[tuple[str, str, int], list[tuple[int, float, float, float, float]]] = {}
         for dtype, pts in points.items():
             if not pts:
                 raise ValueError(f"no timed points for {dtype!r}")
@@ -121,39 +121,45 @@ class StepTimes:
                 if not (p.step_s > 0 and p.spread_s >= 0):
                     raise ValueError(f"{dtype} {p.cache} B={p.batch} context={p.context}: a step must take > 0 s "
                                      f"with a spread >= 0, got {p.step_s} ± {p.spread_s}")
-                self.table.setdefault((str(dtype), p.cache, p.batch), []).append((p.context, p.step_s, p.spread_s))
                 # the rounds' fastest and slowest where they were kept, else median -/+ spread (never below 0)
                 low, high = ((min(p.samples_s), max(p.samples_s)) if p.samples_s else
                              (p.step_s - p.spread_s if p.step_s > p.spread_s else 0.0, p.step_s + p.spread_s))
-                self.ranges.setdefault((str(dtype), p.cache, p.batch), []).append((p.context, low, high))
-        for rows in (*self.table.values(), *self.ranges.values()):
+                self.table.setdefault((str(dtype), p.cache, p.batch), []).append(
+                    (p.context, p.step_s, p.spread_s, low, high))
+        for rows in self.table.values():
             rows.sort()
-            if len({c for c, _, _ in rows}) != len(rows):
+            if len({row[0] for row in rows}) != len(rows):
                 raise ValueError("a (dtype, cache, batch, context) was timed twice")
 
     def batches(self, dtype: str, cache: str) -> list[int]:
         return sorted(b for d, c, b in self.table if d == dtype and c == cache)
 
     def contexts(self, dtype: str, cache: str, batch: int) -> list[int]:
-        return [c for c, _, _ in self.table.get((dtype, cache, batch), [])]
+        return [row[0] for row in self.table.get((dtype, cache, batch), [])]
+
+    def _interp(self, key: tuple[str, str, int], context: int, columns: tuple[int, int]) -> tuple[float, float] | None:
+        """Two columns of ``key``'s rows interpolated at ``context``, or None outside the contexts timed."""
+        rows = self.table.get(key)
+        if not rows or not rows[0][0] <= context <= rows[-1][0]:
+            return None
+        ctx = [row[0] for row in rows]
+        a, b = columns
+        return (float(np.interp(context, ctx, [row[a] for row in rows])),
+                float(np.interp(context, ctx, [row[b] for row in rows])))
 
     def at(self, dtype: str, cache: str, batch: int, context: int) -> tuple[float, float] | None:
         """(seconds per step, spread) at ``context`` tokens per request, or None where it was not timed."""
-        rows = self.table.get((dtype, cache, batch))
-        if not rows or not rows[0][0] <= context <= rows[-1][0]:
-            return None
-        ctx = [c for c, _, _ in rows]
-        return (float(np.interp(context, ctx, [s for _, s, _ in rows])),
-                float(np.interp(context, ctx, [e for _, _, e in rows])))
+        return self._interp((dtype, cache, batch), context, (1, 2))
 
     def range_at(self, dtype: str, cache: str, batch: int, context: int) -> tuple[float, float] | None:
         """(fastest, slowest) seconds per step over the timed rounds at ``context``, or None where not timed."""
-        rows = self.ranges.get((dtype, cache, batch))
-        if not rows or not rows[0][0] <= context <= rows[-1][0]:
-            return None
-        ctx = [c for c, _, _ in rows]
-        return (float(np.interp(context, ctx, [lo for _, lo, _ in rows])),
-                float(np.interp(context, ctx, [hi for _, _, hi in rows])))
+        return self._interp((dtype, cache, batch), context, (3, 4))
+
+
+def disturbed(step_s: float, spread_s: float) -> bool:
+    """Whether a timed step's rounds spread by more than a quarter of the step either way (half their range
+    ``spread_s`` > 0.25 x ``step_s``): a disturbed measurement, not a property of what was timed."""
+    return spread_s > 0.25 * step_s
 
 
 @dataclass(frozen=True)
@@ -206,9 +212,9 @@ class Candidate:
 
     @property
     def noisy(self) -> bool:
-        """Whether its step's rounds spread by more than a quarter of the step either way: a disturbed measurement
-        (rerun it) rather than a property of the configuration."""
-        return self.timed and (self.step_spread_s or 0.0) > 0.25 * self.step_s
+        """Whether its step's timing is :func:`disturbed`: rerun it, rather than read it as a property of the
+        configuration."""
+        return self.timed and disturbed(self.step_s, self.step_spread_s or 0.0)
 
     @property
     def user_tokens_per_s(self) -> float:
