@@ -19,7 +19,8 @@ What it supports, and what it refuses: greedy decoding only (``temperature`` abs
 one prompt given as text or token ids, ``max_tokens``, ``ignore_eos``, ``stream`` with
 ``stream_options.include_usage``, ``return_token_ids`` (vLLM's extension); ``repetition_penalty`` 1, ``logprobs``
 null, ``echo`` false and ``stop`` empty are accepted as the no-ops they are. Any other field is refused by name
-(400). An unknown model is 404, a body over 8 MiB 413, a full queue 429.
+(400). An unknown model is 404, a body over 8 MiB 413, a full queue 429, a request beyond the connection cap 503
+(each an OpenAI-style JSON error).
 
 Run it as ``python -m course_utils.engine_server --model embedded --port 8000`` or from Python with
 :func:`start_engine_server` (a child process, see :class:`~course_utils.serving.ServerProcess`) or
@@ -212,12 +213,16 @@ def _error(status: int, message: str) -> JSONResponse:
 class EngineServer:
     """An OpenAI-compatible HTTP server around one :class:`~course_utils.engine.LLMEngine` (greedy only).
 
-    ``max_queued``: requests held beyond the engine's slots; one more is answered 429."""
+    ``max_queued``: requests held beyond the engine's slots; one more is answered 429. ``max_connections``: at this
+    many open connections (or requests in flight), a new request is answered 503 and its connection closed (default:
+    ``max_queued`` + twice the engine's slots + 32)."""
 
-    def __init__(self, engine, tokenizer, *, model_name: str, max_queued: int = 256):
+    def __init__(self, engine, tokenizer, *, model_name: str, max_queued: int = 256, max_connections: int | None = None):
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         engine.keep_history = False                   # a finished request leaves the engine
         self.max_queued = check_positive_int("max_queued", max_queued)
+        self.max_connections = (self.max_queued + 2 * engine.scheduler.max_num_seqs + 32 if max_connections is None
+                                else check_positive_int("max_connections", max_connections))
         self.queued: list[_Request] = []              # not yet handed to the engine
         self.active: dict[int, _Request] = {}         # in the engine, by sequence id
         self.broken: str | None = None
@@ -401,10 +406,9 @@ class EngineServer:
         import uvicorn
 
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
-        config = uvicorn.Config(_Limits(self.app, MAX_BODY_BYTES), host=host, port=port, http=_Protocol,
-                                lifespan="off", log_config=None, access_log=False, timeout_keep_alive=5,
-                                timeout_graceful_shutdown=1,
-                                limit_concurrency=self.max_queued + 2 * self.engine.scheduler.max_num_seqs + 32)
+        app = _Admission(_Limits(self.app, MAX_BODY_BYTES), self.max_connections, self.open_connections)
+        config = uvicorn.Config(app, host=host, port=port, http=_Protocol, lifespan="off", log_config=None,
+                                access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=1)
         self._uvicorn = uvicorn.Server(config)
         engine_task = asyncio.create_task(self._engine_loop())
         http_task = asyncio.create_task(self._uvicorn.serve())
@@ -425,6 +429,10 @@ class EngineServer:
             engine_task.cancel()
             self._executor.shutdown(wait=False, cancel_futures=True)
             self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    def open_connections(self) -> int:
+        """HTTP connections open now (uvicorn's count; 0 before it started)."""
+        return len(self._uvicorn.server_state.connections) if self._uvicorn is not None else 0
 
     def start_in_thread(self, host: str = "127.0.0.1", port: int = 0) -> "EngineServer":
         """Serve from a daemon thread of this process (the tests do); ``url`` is set on return; ``close()`` stops it."""
@@ -452,6 +460,28 @@ class EngineServer:
 def _pid_alive(pid: int) -> bool:
     import psutil
     return psutil.pid_exists(pid)
+
+
+class _Admission:
+    """ASGI middleware, outermost: uvicorn's ``limit_concurrency`` rule -- at ``limit`` open connections (this one
+    included) or ``limit`` requests in flight, a new request is refused with 503 and its connection closed -- answered
+    with an OpenAI-style JSON error, where uvicorn's own check answers a plain-text ``Service Unavailable``."""
+
+    def __init__(self, app, limit: int, open_connections):
+        self.app, self.limit, self.open_connections, self.in_flight = app, limit, open_connections, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.open_connections() >= self.limit or self.in_flight >= self.limit:
+            refused = _error(503, f"the server is at its limit of {self.limit} connections; retry later")
+            refused.headers["connection"] = "close"
+            return await refused(scope, receive, send)
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
 
 
 class _Limits:
@@ -583,6 +613,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="a prefill step's budget of padded tokens (default: the cache's capacity)")
     parser.add_argument("--max-queued", type=int, default=256, help="requests waiting for a slot before 429")
+    parser.add_argument("--max-connections", type=int, default=None,
+                        help="open connections before 503 (default: max-queued + 2 x max-num-seqs + 32)")
     parser.add_argument("--threads", type=int, default=None, help="PyTorch threads (default: PyTorch's choice)")
     parser.add_argument("--no-prefix-caching", action="store_true", help="do not share cached prompt blocks")
     parser.add_argument("--dtype", default="float32", help="what the engine computes in (float32, bfloat16)")
@@ -601,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
                                num_blocks=args.num_blocks, block_size=args.block_size,
                                prefix_caching=not args.no_prefix_caching, pack=args.pack,
                                max_num_batched_tokens=args.max_num_batched_tokens)
-    server = EngineServer(engine, tok, model_name=args.served_model_name, max_queued=args.max_queued)
+    server = EngineServer(engine, tok, model_name=args.served_model_name, max_queued=args.max_queued,
+                          max_connections=args.max_connections)
     print(f"course engine server: {args.model} on {args.device} ({args.dtype}, pack {args.pack}), "
           f"{torch.get_num_threads()} threads, "
           f"http://{args.host}:{args.port}", flush=True)

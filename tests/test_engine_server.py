@@ -244,3 +244,40 @@ def test_a_full_queue_answers_429_and_a_failing_step_leaves_the_server_serving(s
                                                           "return_token_ids": True}, timeout=60, trust_env=False)
     assert ok.status_code == 200 and ok.json()["choices"][0]["token_ids"] == _solo(model, [99, 1], 3)
     assert engine.block_manager.num_free_blocks == 32 and engine.sequences == {}
+
+
+def test_at_its_connection_cap_the_server_answers_a_json_503_and_serves_again_below_it(tiny_gguf):
+    import asyncio
+
+    import httpx
+    from course_utils.engine_server import EngineServer
+    from course_utils.models import load_model
+    torch.set_grad_enabled(False)
+    model, tok = load_model(str(tiny_gguf), verbose=False)
+    engine = LLMEngine(model, num_blocks=32, block_size=8, max_num_seqs=1)
+    server = EngineServer(engine, tok, model_name="tiny", max_connections=3).start_in_thread()
+    host, port = server.url.removeprefix("http://").split(":")
+    body = {"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True}
+
+    async def main():
+        idle = [await asyncio.open_connection(host, int(port)) for _ in range(2)]    # connected, sending nothing
+        while server.open_connections() < 2:
+            await asyncio.sleep(0.01)
+        async with httpx.AsyncClient(timeout=60, trust_env=False) as client:
+            refused = await client.post(server.url + "/v1/completions", json=body)    # the third connection
+            for _, writer in idle:
+                writer.close()
+            while server.open_connections() > 1:
+                await asyncio.sleep(0.01)
+            served = await client.post(server.url + "/v1/completions", json=body)
+        return refused, served
+    try:
+        refused, served = asyncio.run(main())
+    finally:
+        server.close()
+    assert refused.status_code == 503 and refused.headers["connection"] == "close"
+    assert refused.headers["content-type"] == "application/json"
+    assert refused.json()["error"] == {"message": "the server is at its limit of 3 connections; retry later",
+                                       "type": "ServiceUnavailable", "param": None, "code": 503}
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
+    assert engine.block_manager.num_free_blocks == 32
