@@ -3,6 +3,7 @@
     python tasks.py run   [run_all options]   install, then execute every chapter (the main job)
     python tasks.py test  [pytest options]    install, then unit tests + every notebook under nbval
     python tasks.py bench [bench options]     install, then the benchmark table
+    python tasks.py probe [probe options]     install, then chapter 11's malformed requests to both servers
     python tasks.py setup                     install only
 
 Outside a virtual or conda environment this creates ``.venv/`` and installs into it;
@@ -77,7 +78,7 @@ def setup_vllm() -> None:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("run", "test", "bench", "setup"):
+    if not argv or argv[0] not in ("run", "test", "bench", "probe", "setup"):
         print(__doc__)
         return 2
     command, rest = argv[0], argv[1:]
@@ -89,7 +90,7 @@ def main(argv: list[str]) -> int:
     if command == "setup":
         return 0
     module = {"run": ["-m", "course_utils.run_all"], "bench": ["-m", "course_utils.bench"],
-              "test": ["-m", "pytest"]}[command]
+              "probe": ["-m", "course_utils.serving.probe"], "test": ["-m", "pytest"]}[command]
     return subprocess.run([py, *module, *rest], cwd=ROOT, env=env).returncode
 
 

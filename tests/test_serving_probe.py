@@ -111,3 +111,12 @@ def test_the_table_has_a_row_per_probe_and_escapes_cells():
     assert lines[3] == "| b | no answer | **404**: gone |"
     with pytest.raises(ValueError, match="1 answers for 2 probes"):
         answers_table(probes, {"one": [Answer(200, "", False)]})
+
+
+def test_a_completion_is_summed_up_and_error_bodies_read_in_each_shape():
+    from course_utils.serving.probe import _message
+    done = {"id": "c", "choices": [{"text": "long text"}], "usage": {"completion_tokens": 16}}
+    assert _message(json.dumps(done).encode()) == "a completion of 16 tokens"
+    assert _message(b'{"error": {"message": "bad"}}') == "bad"
+    assert _message(b'{"detail": "Not Found"}') == "Not Found"
+    assert _message(b"Invalid HTTP request received.") == "Invalid HTTP request received."

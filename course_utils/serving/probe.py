@@ -76,8 +76,9 @@ class Probe:
 @dataclass(frozen=True)
 class Answer:
     """What a server answered to one probe: its (first) HTTP status (None: none), the OpenAI-style
-    ``error.message`` or else the start of the body (or why nothing came), whether the server closed the
-    connection, and how many HTTP responses came on the connection (raw probes)."""
+    ``error.message`` (for a completion, its length; else the start of the body, or why nothing came), whether the
+    server closed the connection (a raw probe: within the probe's wait; else: its answer said ``Connection: close``),
+    and how many HTTP responses came on the connection (raw probes)."""
 
     status: int | None
     message: str
@@ -136,14 +137,15 @@ def malformed_requests(limits: ServerLimits) -> list[Probe]:
         Probe(f"body of {body_limit + 1:,} bytes (limit + 1)", 413, "over", raw(b" " * (body_limit + 1))),
         Probe(f"text prompt of {len(text_prompt):,} characters", 400, "cannot fit", dict(json={"prompt": text_prompt})),
         # raw sockets: what the HTTP layer does with bad framing
-        Probe("Content-Length and Transfer-Encoding (smuggling)", 400, "Transfer-Encoding", closed=True, wait_s=5.0,
+        # (waits under uvicorn's 5 s keep-alive timeout, so that a closed connection is the server's answer)
+        Probe("Content-Length and Transfer-Encoding (smuggling)", 400, "Transfer-Encoding", closed=True, wait_s=3.0,
               raw=_http_post(b"0\r\n\r\n" + _http_post(b'{"prompt": [9, 9], "max_tokens": 50}'),
                              "Transfer-Encoding: chunked\r\n")),
         Probe("body shorter than its Content-Length", None, "", closed=False, wait_s=2.0,
               raw=_http_post(b'{"prompt": [1]}')[:-5]),
         Probe("request head never finished", None, "", closed=True, wait_s=limits.head_timeout_s + 2.0,
               raw=b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le"),
-        Probe("a 70 KB header", 431, "headers", wait_s=5.0,
+        Probe("a 70 KB header", 431, "headers", wait_s=2.0,
               raw=b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"),
     ]
     largest = max(len(nested), len(json.dumps({"prompt": text_prompt})))
@@ -162,6 +164,9 @@ def _message(body: bytes) -> str:
     except (ValueError, UnicodeDecodeError):
         return body[:500].decode("utf-8", "replace")
     if isinstance(data, dict):
+        if isinstance(data.get("choices"), list):                  # answered: say what, not the whole completion
+            tokens = (data.get("usage") or {}).get("completion_tokens")
+            return "a completion" + (f" of {tokens} tokens" if tokens is not None else "")
         err = data.get("error")
         if isinstance(err, dict) and "message" in err:
             return str(err["message"])[:500]
