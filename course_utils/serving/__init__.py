@@ -36,7 +36,8 @@
 
 Modules, one idea each: ``trace`` (the trace), ``metrics`` (records and the metrics of a run), ``client`` (the
 replay), ``load`` (the rate sweep and its knee), ``live`` (the per-request comparison with ``vllm bench serve``),
-``processes`` (servers as child processes), ``figures`` (charts of finished runs).
+``processes`` (servers as child processes), ``figures`` (charts of finished runs), ``probe`` (the same malformed
+requests to any server, and both servers' answers side by side: ``python -m course_utils.serving.probe``).
 """
 from __future__ import annotations
 
