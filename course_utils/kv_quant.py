@@ -318,3 +318,30 @@ class QuantizedKVCache(Cache):
         """Bytes the cache holds over all layers: packed codes, fp16 steps and minimums, and the tokens
         still in full precision (chapter 10 checks it against the formula and against the process's RSS)."""
         return sum(layer.stored_bytes for layer in self.layers)
+
+
+def exact_context_share(windows, chunk: int, group_size: int, *, n_tokens: int | None = None,
+                        residual: int = 0) -> dict:
+    """How much of what each scored prediction reads a :class:`QuantizedKVCache` leaves in full precision, when the
+    text goes through the model ``chunk`` tokens at a time inside chapter 07's windows (``windows``: an
+    :class:`~course_utils.evaluate.Windows`; its first ``n_tokens`` scored predictions, default all).
+
+    The prediction at position t of a window reads t + 1 positions: those cached before its chunk, of which the
+    cache has moved whole groups of ``group_size`` (keeping ``residual`` back) into its quantized part, and its own
+    chunk's, all exact. Returns ``{"mean", "min", "max"}``: the share of the positions read exact, and
+    ``"contexts": (fewest, most)`` positions read."""
+    check_positive_int("chunk", chunk)
+    check_positive_int("group_size", group_size)
+    check_non_negative_int("residual", residual)
+    n = windows.n_tokens if n_tokens is None else n_tokens
+    check_positive_int("n_tokens", n)
+    if n > windows.n_tokens:
+        raise ValueError(f"n_tokens={n} is more than the {windows.n_tokens} predictions the windows score")
+    shares, contexts = [], []
+    for i in range(n):
+        t = windows.context_only + i % windows.stride        # the position in its window
+        before = t // chunk * chunk                          # positions cached before its chunk
+        quantized = max(before - residual, 0) // group_size * group_size
+        shares.append((t + 1 - quantized) / (t + 1))
+        contexts.append(t + 1)
+    return {"mean": sum(shares) / n, "min": min(shares), "max": max(shares), "contexts": (min(contexts), max(contexts))}

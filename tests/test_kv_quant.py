@@ -75,3 +75,28 @@ def test_stored_round_trip_rejects_bad_input():
         stored_round_trip(x[0], KVQuantSpec(4, 16), "token")
     with pytest.raises(ValueError):
         stored_round_trip(x[..., :0, :], KVQuantSpec(4, 16), "token")
+
+
+@pytest.mark.parametrize("chunk, residual", [(8, 0), (16, 0), (12, 0), (8, 4)])
+def test_exact_context_share_counts_what_the_cache_leaves_unquantized(tiny_llama, chunk, residual):
+    """The share is checked against the cache itself: fed chunk by chunk, the cache's own count of quantized tokens
+    before each chunk gives what each position of the chunk reads exact."""
+    from course_utils.evaluate import Windows
+    from course_utils.kv_quant import exact_context_share
+    windows = Windows(n_tokens=40, window=48, stride=40, chunk=chunk)
+    spec = KVQuantSpec(4, group_size=8)
+    cache = QuantizedKVCache(tiny_llama.config, spec, residual=residual)
+    ids = torch.randint(0, tiny_llama.config.vocab_size, (1, windows.window))
+    shares = []
+    with torch.no_grad():
+        for a in range(0, windows.window, chunk):
+            q = cache.quantized_tokens                      # what this chunk reads quantized
+            tiny_llama(ids[:, a:a + chunk], cache=cache)
+            shares += [(t + 1 - q) / (t + 1) for t in range(a, min(a + chunk, windows.window))]
+    scored = shares[windows.context_only:]
+    got = exact_context_share(windows, chunk, 8, residual=residual)
+    assert got["mean"] == pytest.approx(sum(scored) / len(scored))
+    assert (got["min"], got["max"]) == (pytest.approx(min(scored)), pytest.approx(max(scored)))
+    assert got["contexts"] == (windows.context_only + 1, windows.window)
+    with pytest.raises(ValueError, match="n_tokens"):
+        exact_context_share(windows, chunk, 8, n_tokens=41)
