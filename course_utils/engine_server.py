@@ -551,13 +551,14 @@ except ImportError:            # uvicorn missing: the parsing helpers above stil
 
 def build_engine(model_name: str, *, device: str = "cpu", dtype: str = "float32", max_num_seqs: int = 8,
                  num_blocks: int = 256, block_size: int = 16, prefix_caching: bool = True, pack: str = "none",
-                 max_num_batched_tokens: int | None = None):
+                 max_num_batched_tokens: int | None = None, chunked_prefill: bool = False):
     """Load ``model_name`` and build the engine the server runs: ``(engine, tokenizer)``.
 
     ``dtype``: what the engine computes in; ``pack``: the engine's fast path (``"onednn"``, ``"upcast"``, ``"int8"``,
     ``"int4"``, ``"compiled"``: :mod:`course_utils.engine.packed`, :mod:`course_utils.engine.compiled` -- a compiled step
     compiles each new batch / context shape on its first request), ``"none"`` for the dense path;
-    ``max_num_batched_tokens``: a prefill step's budget of padded tokens (default: the cache's capacity)."""
+    ``max_num_batched_tokens``: a prefill step's budget of padded tokens, or with ``chunked_prefill`` every step's
+    budget of real tokens, decode tokens and prompt chunks together (default: the cache's capacity)."""
     from .engine import LLMEngine, RunnerWeights
     from .models import load_model
 
@@ -565,21 +566,23 @@ def build_engine(model_name: str, *, device: str = "cpu", dtype: str = "float32"
     weights = RunnerWeights.from_model(model, dtype, pack=pack)
     engine = LLMEngine(model, num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                        prefix_caching=prefix_caching, weights=weights, max_num_batched_tokens=max_num_batched_tokens,
-                       keep_history=False)
+                       chunked_prefill=chunked_prefill, keep_history=False)
     return engine, tok
 
 
 def start_engine_server(model: str, *, device: str = "cpu", port: int | None = None, served_model_name: str = "course",
                         max_num_seqs: int = 8, num_blocks: int = 256, block_size: int = 16, threads: int | None = None,
                         prefix_caching: bool = True, dtype: str = "float32", pack: str = "none", log_path=None,
-                        progress: bool = True, timeout_s: float = 300.0):
+                        progress: bool = True, timeout_s: float = 300.0, chunked_prefill: bool = False,
+                        max_num_batched_tokens: int | None = None):
     """Start the course engine's server as a child process on 127.0.0.1 and wait until it answers.
 
     Returns the running :class:`~course_utils.serving.ServerProcess` (``base_url``, ``stop()``,
     ``peak_rss``). ``threads``: PyTorch threads in the server (default: PyTorch's own choice);
     ``prefix_caching``: the engine's sharing of cached prompt blocks (off to replay one trace several
     times, so that no replay is answered from the previous one's cache); ``dtype`` and ``pack`` as in
-    :func:`build_engine`. The server also exits by itself when this process dies.
+    :func:`build_engine`; ``chunked_prefill`` and ``max_num_batched_tokens`` as in
+    :class:`~course_utils.engine.LLMEngine`. The server also exits by itself when this process dies.
     """
     from .serving import ServerProcess, free_port
 
@@ -594,6 +597,10 @@ def start_engine_server(model: str, *, device: str = "cpu", port: int | None = N
         cmd += ["--threads", str(check_positive_int("threads", threads))]
     if not prefix_caching:
         cmd.append("--no-prefix-caching")
+    if chunked_prefill:
+        cmd.append("--chunked-prefill")
+    if max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(check_positive_int("max_num_batched_tokens", max_num_batched_tokens))]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     server = ServerProcess(cmd, base_url=f"http://127.0.0.1:{port}", name="course engine server", env=env,
                            log_path=log_path, timeout_s=timeout_s)
@@ -611,7 +618,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-blocks", type=int, default=256)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="a prefill step's budget of padded tokens (default: the cache's capacity)")
+                        help="a prefill step's budget of padded tokens; with --chunked-prefill, every step's budget "
+                             "of real tokens (default: the cache's capacity)")
+    parser.add_argument("--chunked-prefill", action="store_true",
+                        help="steps of decode tokens plus prompt chunks within --max-num-batched-tokens")
     parser.add_argument("--max-queued", type=int, default=256, help="requests waiting for a slot before 429")
     parser.add_argument("--max-connections", type=int, default=None,
                         help="open connections before 503 (default: max-queued + 2 x max-num-seqs + 32)")
@@ -632,7 +642,8 @@ def main(argv: list[str] | None = None) -> int:
     engine, tok = build_engine(args.model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                                num_blocks=args.num_blocks, block_size=args.block_size,
                                prefix_caching=not args.no_prefix_caching, pack=args.pack,
-                               max_num_batched_tokens=args.max_num_batched_tokens)
+                               max_num_batched_tokens=args.max_num_batched_tokens,
+                               chunked_prefill=args.chunked_prefill)
     server = EngineServer(engine, tok, model_name=args.served_model_name, max_queued=args.max_queued,
                           max_connections=args.max_connections)
     print(f"course engine server: {args.model} on {args.device} ({args.dtype}, pack {args.pack}), "

@@ -143,7 +143,7 @@ def test_batches_of_a_compiled_step_multiply_like_the_upcast_path_where_bf16_pro
         engine.step()                                          # prefill of all four (eager on both paths)
         seqs, is_prefill = engine.scheduler.schedule()          # the decode step of all four, blocks appended
         assert len(seqs) == 4 and not is_prefill
-        inp = engine.runner.prepare(seqs, is_prefill=False)
+        inp = engine.runner.prepare(seqs)
         runs[pack] = engine.runner.forward(inp).float()
         if pack == "compiled":
             assert engine.runner.compiled.module.upcast

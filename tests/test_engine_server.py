@@ -80,11 +80,11 @@ def _fail_when(engine, marker: int, times: int = 1):
     ``marker``, ``times`` times."""
     run, left = engine.runner.run, [times]
 
-    def failing(seqs, is_prefill):
+    def failing(seqs):
         if left[0] and any(s.token_ids[0] == marker for s in seqs):
             left[0] -= 1
             raise MemoryError("injected: can't allocate 336000000 bytes")
-        return run(seqs, is_prefill)
+        return run(seqs)
     engine.runner.run = failing
 
 

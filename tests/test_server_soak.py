@@ -38,11 +38,11 @@ def served(tiny_gguf):
     failed_batches = []
     run = engine.runner.run
 
-    def run_or_fail(seqs, is_prefill):           # one step fails, as an out-of-memory error would
+    def run_or_fail(seqs):           # one step fails, as an out-of-memory error would
         if not failed_batches and any(s.token_ids[0] == MARK for s in seqs):
             failed_batches.append([tuple(s.prompt_ids) for s in seqs])
             raise MemoryError("injected: can't allocate 336000000 bytes")
-        return run(seqs, is_prefill)
+        return run(seqs)
     engine.runner.run = run_or_fail
     old = engine_server.HEAD_TIMEOUT_S
     engine_server.HEAD_TIMEOUT_S = 2.0

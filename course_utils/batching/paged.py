@@ -86,8 +86,9 @@ def time_block_gather(model, *, batch: int, context_len: int, block_size: int = 
         ids = torch.randint(0, runner.embed.shape[0], (context_len + 1,), generator=gen).tolist()
         seq = EngineSequence(i, ids, 1, block_size=block_size)
         seq.block_table = order[i * per_seq:(i + 1) * per_seq]
+        seq.schedule_run(context_len, context_len + 1)         # a decode step: the newest token
         seqs.append(seq)
-    inp = runner.prepare(seqs, is_prefill=False)
+    inp = runner.prepare(seqs)
     tables = inp.block_tables.view(-1)
 
     gathers = block_gathers(runner.k_blocks, runner.v_blocks, tables)

@@ -12,8 +12,11 @@ them. A block whose count falls to zero goes back to the free list but keeps its
 contents until it is handed out again, so a later request with the same prefix can still
 revive it.
 
-Blocks registered during a prefill step are filled during that very step: the model
-runner writes every new key/value of a layer before any sequence reads that layer.
+A block is registered (given its hash) by the step that fills its last position, and is
+filled during that very step: the model runner writes every new key/value of a layer before
+any sequence reads that layer. With chunked prefill a prompt is given blocks chunk by chunk
+(``num_tokens`` of :meth:`BlockManager.allocate` and :meth:`BlockManager.may_append`), and a
+block its chunk fills only in part stays unregistered until a later chunk completes it.
 """
 from __future__ import annotations
 
@@ -92,11 +95,26 @@ class BlockManager:
             hits.append(bid)
         return PrefixMatch(hashes, hits)
 
-    def can_allocate(self, seq: Sequence, match: PrefixMatch | None = None) -> bool:
-        """Enough free blocks for the sequence, counting shared blocks already in use as free of charge."""
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_allocate(self, seq: Sequence, match: PrefixMatch | None = None, num_tokens: int | None = None) -> bool:
+        """Enough free blocks to give the sequence its first ``num_tokens`` positions (default: all its tokens),
+        counting shared blocks already in use as free of charge."""
         match = self.match_prefix(seq) if match is None else match
+        num_tokens = len(seq) if num_tokens is None else num_tokens
         in_use = sum(1 for bid in match.hits if self.blocks[bid].ref_count > 0)
-        return self.num_free_blocks >= seq.num_blocks - in_use
+        return self.num_free_blocks >= self._blocks_for(num_tokens) - in_use
+
+    def room(self, seq: Sequence, match: PrefixMatch | None = None) -> int:
+        """How many leading positions the sequence could hold if it took every free block: those of the blocks it
+        holds, or, while it holds none, of its cached prefix blocks already in use (``match``)."""
+        if seq.block_table:
+            held = len(seq.block_table)
+        else:
+            match = self.match_prefix(seq) if match is None else match
+            held = sum(1 for bid in match.hits if self.blocks[bid].ref_count > 0)
+        return (held + self.num_free_blocks) * self.block_size
 
     def _take_free(self) -> Block:
         bid, _ = self.free.popitem(last=False)
@@ -111,12 +129,14 @@ class BlockManager:
             block.hash, block.token_ids = h, tuple(token_ids)
             self.cached[h] = block.block_id
 
-    def allocate(self, seq: Sequence, match: PrefixMatch | None = None) -> None:
-        """Give a waiting sequence blocks for all its tokens, reusing the cached prefix blocks of ``match``."""
+    def allocate(self, seq: Sequence, match: PrefixMatch | None = None, num_tokens: int | None = None) -> None:
+        """Give a waiting sequence blocks for its first ``num_tokens`` positions (default: all its tokens), reusing
+        the cached prefix blocks of ``match``, and register the full blocks among them."""
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks {seq.block_table}")
         match = self.match_prefix(seq) if match is None else match
-        for i in range(seq.num_blocks):
+        num_tokens = len(seq) if num_tokens is None else num_tokens
+        for i in range(self._blocks_for(num_tokens)):
             if i < len(match.hits):
                 block = self.blocks[match.hits[i]]
                 if block.ref_count == 0:
@@ -124,26 +144,28 @@ class BlockManager:
                 block.ref_count += 1
             else:
                 block = self._take_free()
-                if i < len(match.hashes):
+                if i < min(len(match.hashes), num_tokens // self.block_size):   # full once this step has run
                     self._register(block, match.hashes[i], seq.block_tokens(i))
             seq.block_table.append(block.block_id)
         seq.num_cached_tokens = len(match.hits) * self.block_size
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Can the next decode step write position ``len(seq) - 1`` (a new block if it starts one)?"""
-        return self.num_free_blocks >= (1 if (len(seq) - 1) % self.block_size == 0 else 0)
+    def can_append(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+        """Enough free blocks for the sequence to hold ``num_tokens`` positions (default ``len(seq)``: the next
+        decode step writes position ``len(seq) - 1``, a new block if it starts one)?"""
+        num_tokens = len(seq) if num_tokens is None else num_tokens
+        return self.num_free_blocks >= self._blocks_for(num_tokens) - len(seq.block_table)
 
-    def may_append(self, seq: Sequence) -> None:
-        """Before a decode step: add a block if the token starts one; register a block it fills."""
-        pos = len(seq) - 1
-        if pos % self.block_size == 0:
+    def may_append(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Before a step that computes the sequence's positions ``seq.num_computed_tokens ... num_tokens - 1``
+        (default ``len(seq)``: a decode step): add the blocks they start; register each block they fill."""
+        num_tokens = len(seq) if num_tokens is None else num_tokens
+        while len(seq.block_table) < self._blocks_for(num_tokens):
             seq.block_table.append(self._take_free().block_id)
-        if (pos + 1) % self.block_size == 0:
-            i = pos // self.block_size
+        for i in range(seq.num_computed_tokens // self.block_size, num_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
             prev = self.blocks[seq.block_table[i - 1]].hash if i else None
-            if i == 0 or prev is not None:
-                self._register(self.blocks[seq.block_table[i]], block_hash(prev, seq.block_tokens(i)),
-                               seq.block_tokens(i))
+            if block.hash is None and (i == 0 or prev is not None):
+                self._register(block, block_hash(prev, seq.block_tokens(i)), seq.block_tokens(i))
 
     def deallocate(self, seq: Sequence, *, forget_contents: bool = False) -> None:
         """Drop the sequence's references; blocks nobody uses go back to the free list.

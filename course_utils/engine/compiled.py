@@ -42,8 +42,8 @@ What it takes, and what this module changes for it:
 
 The result is not bit-for-bit the eager bfloat16 path: the fused loops round in different places. Like every
 fast path it is lossy by that much, and its quality is measured (the figures of :mod:`.speed` come from this
-compiled step's own logits, :meth:`~.model_runner.ModelRunner.decode_logits`). Prefill steps, and decode steps
-of a static batch's finished rows, run the eager path.
+compiled step's own logits, :meth:`~.model_runner.ModelRunner.decode_logits`). Prefill steps, chunked-prefill steps
+holding a chunk of more than one token, and decode steps of a static batch's finished rows, run the eager path.
 """
 from __future__ import annotations
 

@@ -25,7 +25,13 @@ from .sequence import Refused, Sequence
 
 @dataclass(frozen=True)
 class StepRecord:
-    """What one engine step did: when (seconds since the engine's clock started), how many sequences and tokens."""
+    """What one engine step did: when (seconds since the engine's clock started), how many sequences and tokens.
+
+    ``num_tokens`` = ``num_prefill_tokens`` (positions fed of sequences in prefill: prompts, chunks of prompts,
+    and a preempted sequence's recompute) + ``num_decode_tokens`` (one per sequence past its prompt, and one per
+    finished sequence a static batch still computes as padding). ``is_prefill``: the step fed prefill tokens
+    (without chunked prefill a step is one or the other; with it a step can hold both).
+    """
 
     start_s: float
     end_s: float
@@ -33,6 +39,8 @@ class StepRecord:
     num_seqs: int
     num_tokens: int
     blocks_used: int
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
 
 
 class StepFailed(RuntimeError):
@@ -59,6 +67,10 @@ class LLMEngine:
 
     ``num_blocks * block_size`` token positions of cache are allocated up front.
     ``max_num_seqs`` is the number of slots; ``policy`` is ``"continuous"`` or ``"static"``.
+    ``chunked_prefill``: build each step from every running sequence's decode token plus prompt chunks, within
+    ``max_num_batched_tokens`` real tokens (see :mod:`.scheduler`); off (the default), a step is a prefill step
+    whose budget counts padded tokens, or a decode step. ``max_num_batched_tokens`` defaults to the cache's
+    capacity in tokens (with chunked prefill, pass a smaller one to cut long prompts into chunks).
     ``weights``: a :class:`RunnerWeights` to share with other engines on the same model.
     ``keep_history``: keep every request in ``sequences`` and every step in ``steps`` (chapter 04 reads
     them back); a server sets it to False, and a request then leaves the engine the step it finishes.
@@ -67,13 +79,15 @@ class LLMEngine:
     def __init__(self, model, *, num_blocks: int = 256, block_size: int = 16, max_num_seqs: int = 8,
                  max_num_batched_tokens: int | None = None, policy: str = "continuous",
                  prefix_caching: bool = True, dtype=None, eos_token_ids=None, weights: RunnerWeights | None = None,
-                 keep_history: bool = True):
+                 keep_history: bool = True, chunked_prefill: bool = False):
         self.block_manager = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching)
         self.runner = ModelRunner(model, num_blocks=num_blocks, block_size=block_size, dtype=dtype, weights=weights,
                                   max_num_seqs=max_num_seqs)
         self.capacity_tokens = min(num_blocks * block_size, self.runner.max_positions)
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = self.capacity_tokens
         self.scheduler = Scheduler(self.block_manager, max_num_seqs=max_num_seqs, policy=policy,
-                                   max_num_batched_tokens=max_num_batched_tokens or self.capacity_tokens)
+                                   max_num_batched_tokens=max_num_batched_tokens, chunked_prefill=chunked_prefill)
         self.eos_token_ids = eos_ids_of(model) if eos_token_ids is None else frozenset(eos_token_ids)
         self.vocab_size = self.runner.embed.shape[0]
         self.sequences: dict[int, Sequence] = {}
@@ -157,17 +171,19 @@ class LLMEngine:
             if self.has_unfinished():
                 raise RuntimeError("the scheduler could not run any sequence although requests are waiting")
             return []
-        num_tokens = sum(len(seq.positions_to_run(is_prefill)[0]) for seq in seqs)
+        runs = [len(seq.positions_to_run()[0]) for seq in seqs]
+        prefill_tokens = sum(n for seq, n in zip(seqs, runs) if seq.in_prefill)
         start_s = self.now()
         try:
-            token_ids = self.runner.run(seqs, is_prefill)
+            token_ids = self.runner.run(seqs)
         except Exception as exc:                  # e.g. out of memory: this step's sequences fail, the others go on
             raise self._fail(seqs, exc) from exc
         end_s = self.now()
-        finished = self.scheduler.postprocess(seqs, token_ids, is_prefill, start_s=start_s, end_s=end_s)
+        finished = self.scheduler.postprocess(seqs, token_ids, start_s=start_s, end_s=end_s)
         if self.keep_history:
-            self.steps.append(StepRecord(start_s, end_s, is_prefill, len(seqs), num_tokens,
-                                         self.block_manager.num_used_blocks))
+            self.steps.append(StepRecord(start_s, end_s, is_prefill, len(seqs), sum(runs),
+                                         self.block_manager.num_used_blocks, num_prefill_tokens=prefill_tokens,
+                                         num_decode_tokens=sum(runs) - prefill_tokens))
         self._forget(finished)
         return finished
 

@@ -2,9 +2,12 @@
 
 The pool holds keys and values for every layer as ``(num_blocks * block_size, n_kv_heads,
 head_dim)`` tensors, allocated once. A step runs the new tokens of all scheduled sequences
-as one flat batch through the linear layers; in each layer it first writes their keys
-and values into the slots their block tables name, then gathers each sequence's whole
-context block by block (one indexed read for the batch) and attends to it. The gather is a
+(each sequence's run of positions, :meth:`~.sequence.Sequence.positions_to_run`: a whole
+prompt, a chunk of one, or one decode token; a step may mix them) as one flat batch through
+the linear layers; in each layer it first writes their keys and values into the slots their
+block tables name, then gathers each sequence's whole context block by block (one indexed
+read for the batch) and attends to it, causally: each new token sees the sequence's earlier
+positions (its earlier blocks, and the tokens before it in its run) and itself. The gather is a
 contiguous copy of every sequence's keys and values, per layer and per step, where a
 paged-attention kernel (vLLM's, FlashInfer's) reads the blocks in place; plain PyTorch has
 no such kernel. Chapter 04 measures what the copy costs (``batching.time_block_gather``).
@@ -183,12 +186,13 @@ class ModelRunner:
         """Bytes of keys and values one token position takes in the pool, all layers."""
         return self.dims.kv_elements_per_token * self.k_pool.element_size()
 
-    def prepare(self, seqs: list[Sequence], is_prefill: bool) -> StepInput:
-        """Flatten the sequences' new tokens; build the slot, block-table and attention-bias tensors."""
+    def prepare(self, seqs: list[Sequence]) -> StepInput:
+        """Flatten the sequences' new tokens (each one's run: ``positions_to_run()``); build the slot, block-table
+        and attention-bias tensors."""
         bs = self.block_size
         ids, pos, rows, slots, q_lens = [], [], [], [], []
         for seq in seqs:
-            positions, first_write = seq.positions_to_run(is_prefill)
+            positions, first_write = seq.positions_to_run()
             for p in positions:
                 if p >= first_write:                  # cached positions are not written again
                     rows.append(len(ids))
@@ -277,7 +281,8 @@ class ModelRunner:
         what the engine computes there, for measuring a fast path's quality (chapter 07's KL divergence).
         It writes the pool's first blocks: call it on a runner that holds no live sequence."""
         seq = self._sequence_at_pool_start(token_ids, token_ids, 1)
-        inp = self.prepare([seq], is_prefill=True)
+        seq.schedule_run(0, len(token_ids))
+        inp = self.prepare([seq])
         inp.last_rows = torch.arange(len(token_ids), device=self.device)
         return self.forward(inp).float()
 
@@ -288,10 +293,12 @@ class ModelRunner:
         compute (on ``pack="compiled"`` a different computation from :meth:`sequence_logits`' prefill). Writes the
         pool's first blocks, like :meth:`sequence_logits`."""
         seq = self._sequence_at_pool_start(token_ids, token_ids[:1], len(token_ids))
-        out = [self.forward(self.prepare([seq], is_prefill=True)).float()]
+        seq.schedule_run(0, 1)
+        out = [self.forward(self.prepare([seq])).float()]
         for t in token_ids[1:]:
             seq.append(t)
-            out.append(self.forward(self.prepare([seq], is_prefill=False)).float())
+            seq.schedule_run(len(seq) - 1, len(seq))
+            out.append(self.forward(self.prepare([seq])).float())
         return torch.cat(out)
 
     def _sequence_at_pool_start(self, token_ids: list[int], prompt: list[int], max_tokens: int) -> Sequence:
@@ -305,12 +312,15 @@ class ModelRunner:
         return seq
 
     def _runs_compiled(self, inp: StepInput) -> bool:
-        """Whether this step goes through the compiled step: a decode step, every token new (pack="compiled")."""
+        """Whether this step goes through the compiled step (pack="compiled"): a decode-shaped step, one new token
+        per sequence, each one stored. A step with a longer run (a prompt, or a chunk of one, mixed with decode
+        tokens or not) runs eagerly."""
         return self.compiled is not None and inp.pad_index is None and inp.write_rows is None
 
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
-        """One step: the greedy next token of every sequence."""
-        inp = self.prepare(seqs, is_prefill)
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        """One step: the greedy next token of every sequence, from its run's last position (a prompt chunk that
+        is not the prompt's last gets one too; the scheduler does not use it)."""
+        inp = self.prepare(seqs)
         if self._runs_compiled(inp):
             return self.compiled(inp)[1].tolist()            # its argmax is part of the compiled graph
         return self.forward(inp).argmax(dim=-1).tolist()

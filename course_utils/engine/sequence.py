@@ -4,6 +4,12 @@ A :class:`Sequence` holds the prompt and the tokens generated so far in one list
 ``token_ids``. The engine never keeps a per-request tensor: the keys and values of a
 sequence live in the shared paged pool, and ``block_table[i]`` names the physical block
 that holds positions ``i * block_size ... (i + 1) * block_size - 1``.
+
+What a step feeds of a sequence is its state, set by the scheduler: ``num_computed_tokens``
+leading positions already have their keys and values in the pool (found in the prefix
+cache, or computed by earlier steps), and the step feeds the next ``num_scheduled_tokens``
+(:meth:`Sequence.positions_to_run`). A decode step feeds one token; a prefill feeds the
+whole uncached prompt, or, with chunked prefill, the next chunk of it.
 """
 from __future__ import annotations
 
@@ -28,6 +34,12 @@ class Sequence:
     and values were found in shared blocks when the sequence was last given blocks (prefix
     caching). ``spans`` lists ``(slot, start_s, end_s)`` for each stay in a slot (a
     preempted sequence has more than one).
+
+    ``num_computed_tokens``: the leading positions whose keys and values are in the pool (0 while
+    queued). ``num_scheduled_tokens``: how many positions the current step feeds, from
+    ``num_computed_tokens`` on. ``in_prefill``: True from the step it is given a slot until the step
+    that computes its last position (the one that produces its next token); a prompt prefilled in
+    chunks stays in prefill for several steps and produces no token before its last chunk.
     """
 
     def __init__(self, seq_id: int, prompt_ids: list[int], max_tokens: int, *, block_size: int,
@@ -42,6 +54,9 @@ class Sequence:
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
+        self.num_computed_tokens = 0
+        self.num_scheduled_tokens = 0
+        self.in_prefill = False
         self.slot: int | None = None
         self.batch_id: int | None = None
         self.num_preemptions = 0
@@ -83,20 +98,25 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
 
-    def positions_to_run(self, is_prefill: bool) -> tuple[range, int]:
-        """The positions whose tokens this step feeds, and the first of them whose keys/values it stores.
+    def positions_to_run(self) -> tuple[range, int]:
+        """The positions this step feeds, and the first of them whose keys/values it stores.
 
-        Prefill: every prompt position not found in the prefix cache (a fully cached prompt
-        still runs its last token, to get the logits of the next one), storing from the first
-        uncached one. Decode: the newest token. A finished sequence still computed as padding
+        The step feeds ``num_scheduled_tokens`` positions from ``num_computed_tokens`` on, and stores
+        each one not found in the prefix cache: a fully cached prompt still runs its last token (to get
+        the logits of the next one) but stores nothing. A finished sequence still computed as padding
         (static batching) reruns its last fed token and stores nothing.
         """
         if self.is_finished:
             last = len(self) - 2
             return range(last, last + 1), last + 1
-        if is_prefill:
-            return range(min(self.num_cached_tokens, len(self) - 1), len(self)), self.num_cached_tokens
-        return range(len(self) - 1, len(self)), len(self) - 1
+        start = self.num_computed_tokens
+        return range(start, start + self.num_scheduled_tokens), max(start, self.num_cached_tokens)
+
+    def schedule_run(self, start: int, stop: int) -> None:
+        """Make the next step feed positions ``start ... stop - 1`` (the ones before ``start`` are in the pool)."""
+        if not 0 <= start < stop <= len(self):
+            raise ValueError(f"a run must satisfy 0 <= start < stop <= {len(self)}, got ({start}, {stop})")
+        self.num_computed_tokens, self.num_scheduled_tokens = start, stop - start
 
     def append(self, token_id: int) -> str | None:
         """Add a generated token; return why the sequence stops now (``"eos"``/``"length"``) or None."""

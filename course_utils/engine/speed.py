@@ -370,9 +370,9 @@ def profile_decode(engine: LLMEngine, prompts: list, new_tokens: int, *, label: 
     plain = statistics.median(decode_steps(engine, prompts, new_tokens))
     run = engine.runner.run
 
-    def recorded(seqs, is_prefill):
-        with record_function("prefill step" if is_prefill else "decode step"):
-            return run(seqs, is_prefill)
+    def recorded(seqs):
+        with record_function("prefill step" if any(s.in_prefill for s in seqs) else "decode step"):
+            return run(seqs)
 
     engine.runner.run = recorded
     try:
