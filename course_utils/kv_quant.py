@@ -326,10 +326,12 @@ def exact_context_share(windows, chunk: int, group_size: int, *, n_tokens: int |
     text goes through the model ``chunk`` tokens at a time inside chapter 07's windows (``windows``: an
     :class:`~course_utils.evaluate.Windows`; its first ``n_tokens`` scored predictions, default all).
 
-    The prediction at position t of a window reads t + 1 positions: those cached before its chunk, of which the
-    cache has moved whole groups of ``group_size`` (keeping ``residual`` back) into its quantized part, and its own
-    chunk's, all exact. Returns ``{"mean", "min", "max"}``: the share of the positions read exact, and
-    ``"contexts": (fewest, most)`` positions read."""
+    The chunks are those of :func:`~course_utils.evaluate.scored_logprobs`: the context-only part of a window in
+    chunks of ``chunk``, then the scored part in chunks of ``chunk`` from its first position. The prediction at
+    position t of a window reads t + 1 positions: those cached before its chunk, of which the cache has moved whole
+    groups of ``group_size`` (keeping ``residual`` back) into its quantized part, and its own chunk's, all exact.
+    Returns ``{"mean", "min", "max"}``: the share of the positions read exact, and ``"contexts": (fewest, most)``
+    positions read."""
     check_positive_int("chunk", chunk)
     check_positive_int("group_size", group_size)
     check_non_negative_int("residual", residual)
@@ -339,8 +341,9 @@ def exact_context_share(windows, chunk: int, group_size: int, *, n_tokens: int |
         raise ValueError(f"n_tokens={n} is more than the {windows.n_tokens} predictions the windows score")
     shares, contexts = [], []
     for i in range(n):
-        t = windows.context_only + i % windows.stride        # the position in its window
-        before = t // chunk * chunk                          # positions cached before its chunk
+        j = i % windows.stride                               # the j-th scored position of its window
+        t = windows.context_only + j                         # its position in the window
+        before = windows.context_only + j // chunk * chunk   # positions cached before its chunk
         quantized = max(before - residual, 0) // group_size * group_size
         shares.append((t + 1 - quantized) / (t + 1))
         contexts.append(t + 1)

@@ -77,26 +77,42 @@ def test_stored_round_trip_rejects_bad_input():
         stored_round_trip(x[..., :0, :], KVQuantSpec(4, 16), "token")
 
 
-@pytest.mark.parametrize("chunk, residual", [(8, 0), (16, 0), (12, 0), (8, 4)])
+@pytest.mark.parametrize("chunk, residual", [(8, 0), (16, 0), (12, 0), (8, 4), (5, 0)])
 def test_exact_context_share_counts_what_the_cache_leaves_unquantized(tiny_llama, chunk, residual):
-    """The share is checked against the cache itself: fed chunk by chunk, the cache's own count of quantized tokens
-    before each chunk gives what each position of the chunk reads exact."""
-    from course_utils.evaluate import Windows
+    """The share is checked against the scoring loop itself (`scored_logprobs`, two windows, context chunks that
+    do not line up with the scored ones): a cache that records how many tokens it held quantized when each chunk
+    arrived gives what each scored position read exact."""
+    from course_utils.evaluate import Windows, scored_logprobs
     from course_utils.kv_quant import exact_context_share
-    windows = Windows(n_tokens=40, window=48, stride=40, chunk=chunk)
+    windows = Windows(n_tokens=60, window=50, stride=40, chunk=chunk)     # 10 context-only positions per window
     spec = KVQuantSpec(4, group_size=8)
-    cache = QuantizedKVCache(tiny_llama.config, spec, residual=residual)
-    ids = torch.randint(0, tiny_llama.config.vocab_size, (1, windows.window))
-    shares = []
+    arrivals = []                                  # per window: (tokens held, of them quantized, new tokens)
+
+    class Recording(QuantizedKVCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            if layer_idx == 0:
+                arrivals[-1].append((self.layers[0].get_seq_length(), self.quantized_tokens, key_states.shape[-2]))
+            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def factory():
+        arrivals.append([])
+        return Recording(tiny_llama.config, spec, residual=residual)
+
+    ids = torch.randint(0, tiny_llama.config.vocab_size, (1, windows.tokens_needed))
     with torch.no_grad():
-        for a in range(0, windows.window, chunk):
-            q = cache.quantized_tokens                      # what this chunk reads quantized
-            tiny_llama(ids[:, a:a + chunk], cache=cache)
-            shares += [(t + 1 - q) / (t + 1) for t in range(a, min(a + chunk, windows.window))]
-    scored = shares[windows.context_only:]
+        for _ in scored_logprobs(tiny_llama, ids, windows, chunk=chunk, cache_factory=factory):
+            pass
+    shares, contexts = [], []
+    for window in arrivals:
+        for held, quantized, new in window:
+            for t in range(held, held + new):
+                if t >= windows.context_only:       # a scored position
+                    shares.append((t + 1 - quantized) / (t + 1))
+                    contexts.append(t + 1)
+    assert len(shares) == windows.n_tokens
     got = exact_context_share(windows, chunk, 8, residual=residual)
-    assert got["mean"] == pytest.approx(sum(scored) / len(scored))
-    assert (got["min"], got["max"]) == (pytest.approx(min(scored)), pytest.approx(max(scored)))
-    assert got["contexts"] == (windows.context_only + 1, windows.window)
+    assert got["mean"] == pytest.approx(sum(shares) / len(shares))
+    assert (got["min"], got["max"]) == (pytest.approx(min(shares)), pytest.approx(max(shares)))
+    assert got["contexts"] == (min(contexts), max(contexts))
     with pytest.raises(ValueError, match="n_tokens"):
-        exact_context_share(windows, chunk, 8, n_tokens=41)
+        exact_context_share(windows, chunk, 8, n_tokens=61)

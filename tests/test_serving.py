@@ -394,7 +394,7 @@ def vllm_server(tmp_path_factory):
     _need_vllm()
     from course_utils.models import resolve_model_source
     folder, _ = resolve_model_source("embedded")
-    server = vllm_env.start_vllm_server(folder, served_model_name="vllm", progress=False,
+    server = vllm_env.start_vllm_server(folder, served_model_name="vllm", progress=False, compiled=False,  # a quick start
                                         log_path=tmp_path_factory.mktemp("vllm") / "server.log")
     yield server, folder
     pids = [p.pid for p in server._processes()]
