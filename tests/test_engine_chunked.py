@@ -232,6 +232,60 @@ def test_a_long_prompt_does_not_stall_the_running_sequences(tiny_llama):
     assert len(decoding) == 3 and not decoding & set(runs)
 
 
+
+def test_a_step_of_several_chunks_and_decode_tokens_matches_generate(tiny_model):
+    """Three sequences decode while three prompts (9, 14 and 25 tokens) arrive at once: one step holds the three
+    decode tokens, two whole prompts and a chunk of the third (runs of 1, 1, 1, 9, 14 and 4 tokens)."""
+    g = random.Random(12)
+    vocab = tiny_model.config.vocab_size
+    prompts = [[g.randrange(vocab) for _ in range(n)] for n in (3, 6, 5, 9, 14, 25)]
+    engine = LLMEngine(tiny_model, num_blocks=64, block_size=4, max_num_seqs=6, max_num_batched_tokens=30,
+                       chunked_prefill=True)
+    log = _record_steps(engine)
+    ids = [engine.add_request(p, 12, ignore_eos=True) for p in prompts[:3]]
+    engine.step()
+    engine.step()
+    ids += [engine.add_request(p, 6, ignore_eos=True) for p in prompts[3:]]
+    while engine.has_unfinished():
+        engine.step()
+    mixed = sorted(stop - start for start, stop, _ in log[2][0].values())
+    assert mixed == [1, 1, 1, 4, 9, 14]
+    _check_steps(log, 30)
+    _check_tokens(tiny_model, engine, prompts, [engine.sequences[i] for i in ids], [12] * 3 + [6] * 3,
+                  "several chunks beside decode tokens", eos=())
+
+
+def test_decode_tokens_attend_apart_from_the_prompt_runs_of_their_step(tiny_llama):
+    """A step of a chunk, a decode token, a whole prompt and a decode token (in that order): the decode tokens
+    attend in one call of one query each over their own contexts, the two runs in another, padded to the longer
+    run; each sequence's logits are those of its own prefill of the same positions."""
+    g = random.Random(4)
+    vocab = tiny_llama.config.vocab_size
+    ids = [[g.randrange(vocab) for _ in range(n)] for n in (10, 8, 13, 4)]
+    runner = LLMEngine(tiny_llama, num_blocks=32, block_size=4, max_num_seqs=4).runner
+    seqs, first_block = [], 0
+    for i, (tokens, done) in enumerate(zip(ids, (6, 7, 0, 3))):      # positions already in the pool
+        seq = Sequence(i, tokens, 1, block_size=4)
+        n_blocks = -(-len(tokens) // 4)
+        seq.block_table = list(range(first_block, first_block + n_blocks))
+        first_block += n_blocks
+        if done:
+            seq.schedule_run(0, done)
+            runner.forward(runner.prepare([seq]))
+        seq.schedule_run(done, len(tokens))
+        seqs.append(seq)
+    inp = runner.prepare(seqs)
+    decode, runs = inp.batches
+    g_heads = tiny_llama.config.num_attention_heads // tiny_llama.config.num_key_value_heads
+    assert decode.pad_index is None and decode.attn_bias.shape == (2, 1, g_heads, 8)      # contexts of 8 and 4
+    assert tuple(runs.attn_bias.shape) == (2, 1, 13 * g_heads, 16)                          # runs of 4 and 13
+    assert inp.input_ids.tolist() == [ids[1][7], ids[3][3]] + ids[0][6:] + ids[2]
+    logits = runner.forward(inp)
+    alone = LLMEngine(tiny_llama, num_blocks=32, block_size=4, max_num_seqs=1).runner
+    for seq_logits, tokens in zip(logits, ids):
+        want = alone.sequence_logits(tokens)[-1]
+        torch.testing.assert_close(seq_logits.float(), want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
 # ---- cancellation, a failing step, the server --------------------------------------------------------------------
 
 def _decoding_and_half_prefilled(model):

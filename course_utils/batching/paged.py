@@ -89,7 +89,7 @@ def time_block_gather(model, *, batch: int, context_len: int, block_size: int = 
         seq.schedule_run(context_len, context_len + 1)         # a decode step: the newest token
         seqs.append(seq)
     inp = runner.prepare(seqs)
-    tables = inp.block_tables.view(-1)
+    tables = inp.batches[0].block_tables.view(-1)              # a decode step: one batch
 
     gathers = block_gathers(runner.k_blocks, runner.v_blocks, tables)
     t = time_interleaved({"step": lambda: runner.forward(inp), "gather": gathers}, warmup=1, repeats=repeats,

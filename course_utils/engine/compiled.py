@@ -195,14 +195,15 @@ class CompiledDecode:
     def __call__(self, inp) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of ``inp``'s sequences: their logits (S, vocab) and greedy next tokens (S,)."""
         r = self.runner
-        S, used = inp.block_tables.shape
+        step_tables = inp.batches[0].block_tables                # a decode step: one batch, one query per sequence
+        S, used = step_tables.shape
         Sb, W = self.shape_for(S, used)
         ids = inp.input_ids.new_zeros(Sb)
         ids[:S] = inp.input_ids
         positions = inp.positions.new_zeros(Sb)
         positions[:S] = inp.positions
-        tables = inp.block_tables.new_zeros(Sb, W)
-        tables[:S, :used] = inp.block_tables
+        tables = step_tables.new_zeros(Sb, W)
+        tables[:S, :used] = step_tables
         first = (Sb, W) not in self.compile_s
         t0 = time.perf_counter()
         # Weights as constants, in oneDNN's layout, per graph. A batch of one: the generated loops run on one thread

@@ -6,8 +6,11 @@ head_dim)`` tensors, allocated once. A step runs the new tokens of all scheduled
 prompt, a chunk of one, or one decode token; a step may mix them) as one flat batch through
 the linear layers; in each layer it first writes their keys and values into the slots their
 block tables name, then gathers each sequence's whole context block by block (one indexed
-read for the batch) and attends to it, causally: each new token sees the sequence's earlier
-positions (its earlier blocks, and the tokens before it in its run) and itself. The gather is a
+read per group of sequences) and attends to it, causally: each new token sees the sequence's earlier
+positions (its earlier blocks, and the tokens before it in its run) and itself. Attention pads
+every run of a call to the call's longest and every context to its longest, so a step attends in
+two groups: the one-token runs (decode tokens) together, the longer runs (prompts, chunks of
+prompts) together -- a decode token beside a 256-token chunk does not pay for 256 queries. The gather is a
 contiguous copy of every sequence's keys and values, per layer and per step, where a
 paged-attention kernel (vLLM's, FlashInfer's) reads the blocks in place; plain PyTorch has
 no such kernel. Chapter 04 measures what the copy costs (``batching.time_block_gather``).
@@ -34,21 +37,35 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 
 @dataclass
+class AttentionBatch:
+    """Sequences whose new tokens attend in one call, their runs padded to the longest, Q, and their contexts to
+    the longest, C (positions); g = query heads per key/value head."""
+
+    rows: slice                  # their new tokens' rows in the step (next to each other)
+    block_tables: torch.Tensor   # (S, C / block_size) block ids, padded with 0
+    attn_bias: torch.Tensor      # (S, 1, Q * g, C) 0 where a query may attend to a key position, dtype min elsewhere
+    pad_index: torch.Tensor | None  # (rows,) row of each token in the padded (S * Q) layout; None when Q = 1
+
+
+@dataclass
 class StepInput:
     """The tensors one step needs, built once and shared by every layer.
 
-    T new tokens of S sequences; Q = longest run of new tokens, C = longest context (positions),
-    g = query heads per key/value head.
+    T new tokens of S sequences, the one-token runs (decode tokens) first, then the longer runs (prompts,
+    chunks of prompts); each group attends in one call (``batches``).
     """
 
-    input_ids: torch.Tensor      # (T,) token ids of the new tokens, sequence after sequence
+    input_ids: torch.Tensor      # (T,) token ids of the new tokens, run after run
     positions: torch.Tensor      # (T,) their positions
     write_rows: torch.Tensor | None  # (W,) rows of the new tokens whose keys/values are stored; None = all
     write_slots: torch.Tensor    # (W,) pool slots they are stored in
-    block_tables: torch.Tensor   # (S, C / block_size) block ids, padded with 0
-    attn_bias: torch.Tensor      # (S, 1, Q * g, C) 0 where a query may attend to a key position, dtype min elsewhere
-    pad_index: torch.Tensor | None  # (T,) row of each token in the padded (S * Q) layout; None when Q = 1
-    last_rows: torch.Tensor      # (S,) row of each sequence's last new token
+    batches: list[AttentionBatch]  # the one-token runs' batch, then the longer runs' (either may be absent)
+    last_rows: torch.Tensor      # (S,) row of each sequence's last new token, in the order the sequences came
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence feeds one token."""
+        return len(self.batches) == 1 and self.batches[0].pad_index is None
 
 
 def _check_supported(model) -> None:
@@ -187,40 +204,53 @@ class ModelRunner:
         return self.dims.kv_elements_per_token * self.k_pool.element_size()
 
     def prepare(self, seqs: list[Sequence]) -> StepInput:
-        """Flatten the sequences' new tokens (each one's run: ``positions_to_run()``); build the slot, block-table
-        and attention-bias tensors."""
+        """Flatten the sequences' new tokens (each one's run: ``positions_to_run()``), the one-token runs first;
+        build the slot tensors and, for each group, its block-table and attention-bias tensors."""
         bs = self.block_size
-        ids, pos, rows, slots, q_lens = [], [], [], [], []
-        for seq in seqs:
-            positions, first_write = seq.positions_to_run()
-            for p in positions:
-                if p >= first_write:                  # cached positions are not written again
-                    rows.append(len(ids))
-                    slots.append(seq.block_table[p // bs] * bs + p % bs)
-                ids.append(seq.token_ids[p])
-                pos.append(p)
-            q_lens.append(len(positions))
-        S, Q = len(seqs), max(q_lens)
+        runs = [seq.positions_to_run() for seq in seqs]
+        groups = [[j for j, (r, _) in enumerate(runs) if len(r) == 1],    # decode tokens: one query each
+                  [j for j, (r, _) in enumerate(runs) if len(r) > 1]]     # prompts, chunks: padded among themselves
+        ids, pos, rows, slots, last_rows, batches = [], [], [], [], [0] * len(seqs), []
+        for group in groups:
+            start = len(ids)
+            for j in group:
+                seq, (positions, first_write) = seqs[j], runs[j]
+                for p in positions:
+                    if p >= first_write:                  # cached positions are not written again
+                        rows.append(len(ids))
+                        slots.append(seq.block_table[p // bs] * bs + p % bs)
+                    ids.append(seq.token_ids[p])
+                    pos.append(p)
+                last_rows[j] = len(ids) - 1
+            if group:
+                batches.append(self._attention_batch([seqs[j] for j in group], [runs[j][0] for j in group],
+                                                     slice(start, len(ids))))
+        dev, lt = self.device, torch.long
+        return StepInput(
+            input_ids=torch.tensor(ids, dtype=lt, device=dev), positions=torch.tensor(pos, dtype=lt, device=dev),
+            write_rows=None if len(rows) == len(ids) else torch.tensor(rows, dtype=lt, device=dev),
+            write_slots=torch.tensor(slots, dtype=lt, device=dev), batches=batches,
+            last_rows=torch.tensor(last_rows, dtype=lt, device=dev))
+
+    def _attention_batch(self, seqs: list[Sequence], runs: list[range], rows: slice) -> AttentionBatch:
+        """The block tables and the causal bias of sequences attending in one call, each run padded to the
+        longest (Q) and each context to the longest (C)."""
+        bs = self.block_size
+        S, Q = len(seqs), max(len(r) for r in runs)
         max_blocks = max(len(s.block_table) for s in seqs)
         tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in seqs]
         qpos = torch.zeros(S, Q, dtype=torch.long)
-        pad_index, r = [], 0
-        for i, q in enumerate(q_lens):
-            qpos[i, :q] = torch.tensor(pos[r:r + q])
-            pad_index += range(i * Q, i * Q + q)
-            r += q
+        pad_index = []
+        for i, r in enumerate(runs):
+            qpos[i, :len(r)] = torch.arange(r.start, r.stop)
+            pad_index += range(i * Q, i * Q + len(r))
         allowed = torch.arange(max_blocks * bs)[None, None, :] <= qpos[:, :, None]   # causal, and inside the context
         g = self.dims.n_heads // self.dims.n_kv_heads
         allowed = allowed.repeat_interleave(g, dim=1)[:, None]        # one row per (new token, query head of a group)
         bias = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
         dev, lt = self.device, torch.long
-        return StepInput(
-            input_ids=torch.tensor(ids, dtype=lt, device=dev), positions=torch.tensor(pos, dtype=lt, device=dev),
-            write_rows=None if len(rows) == len(ids) else torch.tensor(rows, dtype=lt, device=dev),
-            write_slots=torch.tensor(slots, dtype=lt, device=dev),
-            block_tables=torch.tensor(tables, dtype=lt, device=dev), attn_bias=bias.to(dev),
-            pad_index=None if Q == 1 else torch.tensor(pad_index, dtype=lt, device=dev),
-            last_rows=torch.tensor(q_lens, device=dev).cumsum(0) - 1)
+        return AttentionBatch(rows, torch.tensor(tables, dtype=lt, device=dev), bias.to(dev),
+                              None if Q == 1 else torch.tensor(pad_index, dtype=lt, device=dev))
 
     def _rms_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """RMSNorm in transformers' order of operations (normalised in float32, then scaled by the weight)."""
@@ -231,25 +261,33 @@ class ModelRunner:
     def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inp: StepInput) -> torch.Tensor:
         """Store this layer's new keys/values, then attend over each sequence's paged context.
 
-        Returns (T, n_heads * head_dim)."""
+        One call per batch of ``inp.batches``: the decode tokens together, the prompt runs together. A call pads
+        every run to its longest and every context to its longest: in a single call, a decode token beside a
+        256-token prompt chunk would be computed as 256 queries over the longest context.
+        Returns (T, n_heads * head_dim), rows in the step's order."""
         d = self.dims
         if inp.write_rows is not None:                           # skip tokens whose keys/values are cached already
             k, v = k.index_select(0, inp.write_rows), v.index_select(0, inp.write_rows)
         self.k_slots[i].index_copy_(0, inp.write_slots, k)
         self.v_slots[i].index_copy_(0, inp.write_slots, v)
         g = d.n_heads // d.n_kv_heads                            # query heads per key/value head
-        S, Q, C = inp.attn_bias.shape[0], inp.attn_bias.shape[2] // g, inp.attn_bias.shape[3]
-        tables = inp.block_tables.view(-1)          # gather whole blocks: (S * blocks, block_size * n_kv * head_dim)
-        keys = self.k_blocks[i].index_select(0, tables).view(S, C, d.n_kv_heads, d.head_dim).transpose(1, 2)
-        values = self.v_blocks[i].index_select(0, tables).view(S, C, d.n_kv_heads, d.head_dim).transpose(1, 2)
-        if inp.pad_index is None:                                 # decode: one query per sequence
-            q = q.reshape(S, d.n_kv_heads, g, d.head_dim)
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=inp.attn_bias).view(S, -1)
-        q = q.new_zeros(S * Q, d.n_heads, d.head_dim).index_copy_(0, inp.pad_index, q)   # pad each run to Q rows
-        q = q.view(S, Q, d.n_kv_heads, g, d.head_dim).permute(0, 2, 1, 3, 4).reshape(S, d.n_kv_heads, Q * g, d.head_dim)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=inp.attn_bias)  # (S, n_kv, Q * g, head_dim)
-        out = out.view(S, d.n_kv_heads, Q, g, d.head_dim).permute(0, 2, 1, 3, 4).reshape(S * Q, -1)
-        return out.index_select(0, inp.pad_index)
+        outs = []
+        for b in inp.batches:
+            S, Q, C = b.attn_bias.shape[0], b.attn_bias.shape[2] // g, b.attn_bias.shape[3]
+            tables = b.block_tables.view(-1)        # gather whole blocks: (S * blocks, block_size * n_kv * head_dim)
+            keys = self.k_blocks[i].index_select(0, tables).view(S, C, d.n_kv_heads, d.head_dim).transpose(1, 2)
+            values = self.v_blocks[i].index_select(0, tables).view(S, C, d.n_kv_heads, d.head_dim).transpose(1, 2)
+            if b.pad_index is None:                               # decode: one query per sequence
+                qb = q[b.rows].reshape(S, d.n_kv_heads, g, d.head_dim)
+                out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=b.attn_bias).view(S, -1)
+            else:                                                 # pad each run to Q rows, attend, drop the padding
+                qb = q.new_zeros(S * Q, d.n_heads, d.head_dim).index_copy_(0, b.pad_index, q[b.rows])
+                qb = qb.view(S, Q, d.n_kv_heads, g, -1).permute(0, 2, 1, 3, 4).reshape(S, d.n_kv_heads, Q * g, -1)
+                out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=b.attn_bias)  # (S, n_kv, Q*g, hd)
+                out = out.view(S, d.n_kv_heads, Q, g, d.head_dim).permute(0, 2, 1, 3, 4).reshape(S * Q, -1)
+                out = out.index_select(0, b.pad_index)
+            outs.append(out)
+        return outs[0] if len(outs) == 1 else torch.cat(outs)    # the batches' rows follow each other
 
     def _layer(self, i: int, h: torch.Tensor, inp: StepInput, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         w, d = self.layers[i], self.dims
@@ -315,7 +353,7 @@ class ModelRunner:
         """Whether this step goes through the compiled step (pack="compiled"): a decode-shaped step, one new token
         per sequence, each one stored. A step with a longer run (a prompt, or a chunk of one, mixed with decode
         tokens or not) runs eagerly."""
-        return self.compiled is not None and inp.pad_index is None and inp.write_rows is None
+        return self.compiled is not None and inp.is_decode and inp.write_rows is None
 
     def run(self, seqs: list[Sequence]) -> list[int]:
         """One step: the greedy next token of every sequence, from its run's last position (a prompt chunk that
