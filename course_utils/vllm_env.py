@@ -225,19 +225,23 @@ def env_variables(*, threads_bind: str = "auto") -> dict[str, str]:
 def start_vllm_server(model_folder: str | Path, *, served_model_name: str = "vllm", port: int | None = None,
                       dtype: str = "float32", max_model_len: int = 1024, kv_cache_bytes: int = 256 * 2**20,
                       max_num_seqs: int = 8, threads_bind: str = "auto", device: str = "cpu",
-                      prefix_caching: bool = False, compiled: bool = True, log_path=None, progress: bool = True,
-                      timeout_s: float = 900.0):
+                      prefix_caching: bool = False, compiled: bool = True, max_num_batched_tokens: int | None = None,
+                      log_path=None, progress: bool = True, timeout_s: float = 900.0):
     """Start vLLM's OpenAI-compatible server on 127.0.0.1 from its own environment and wait until it answers.
 
     ``model_folder``: a transformers model folder (the course's converted GGUF cache folder).
     ``threads_bind``: vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` (``"auto"``: vLLM binds its compute
     threads itself and keeps a core for its API server). ``prefix_caching`` is off by default, so
     that a trace replayed several times is never answered from the previous replay's cache;
-    ``compiled=False`` skips ``torch.compile`` (``--enforce-eager``: a quicker start, slower steps).
-    Returns the running :class:`~course_utils.serving.ServerProcess`.
+    ``compiled=False`` skips ``torch.compile`` (``--enforce-eager``: a quicker start, slower steps);
+    ``max_num_batched_tokens``: the most tokens one step may hold (default: vLLM's own choice; a prompt longer
+    than it is prefilled in chunks over several steps). Returns the running :class:`~course_utils.serving.ServerProcess`.
     """
     from .serving import ServerProcess, free_port
 
+    if max_num_batched_tokens is not None and (isinstance(max_num_batched_tokens, bool) or
+                                               not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1):
+        raise ValueError(f"max_num_batched_tokens must be a positive integer, got {max_num_batched_tokens!r}")
     available = vllm_available(device)
     if not available:
         raise RuntimeError(f"vLLM cannot run here: {available.reason} {HOW_ELSEWHERE}")
@@ -249,6 +253,8 @@ def start_vllm_server(model_folder: str | Path, *, served_model_name: str = "vll
            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching"]
     if not compiled:
         cmd.append("--enforce-eager")
+    if max_num_batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
     env = env_variables(threads_bind=threads_bind) if device == "cpu" else dict(os.environ, HF_HUB_OFFLINE="1")
     server = ServerProcess(cmd, base_url=f"http://127.0.0.1:{port}", name="vLLM API server", env=env,
                            log_path=log_path, timeout_s=timeout_s, grace_s=20.0)

@@ -73,3 +73,39 @@ def timeline_figure(results: dict[str, ReplayResult], *, max_requests: int = 16)
     fig.update_layout(template=TEMPLATE, height=260 * len(results) + 120, hovermode="closest",
                       title=f"Token arrivals of the first {max_requests} requests: a mark when sent, a dot per chunk")
     return fig
+
+
+def stall_figure(results: dict[str, ReplayResult], min_long_tokens: int):
+    """Every gap between two streamed chunks of the short requests (ms), at the time it ended (s after the run
+    started), one panel per server; dashed lines mark when each long request (a prompt of at least
+    ``min_long_tokens`` tokens) was sent, dotted ones its first token. A prefill that every running request waits
+    for shows as a tall gap after a dashed line."""
+    from plotly.subplots import make_subplots
+
+    from ..plots import PALETTE, TEMPLATE
+    from .metrics import split_by_prompt
+
+    fig = make_subplots(rows=1, cols=len(results), shared_yaxes=True, horizontal_spacing=0.04,
+                        subplot_titles=list(results))
+    longest = {}
+    for col, (name, res) in enumerate(results.items(), start=1):
+        short, long_ = split_by_prompt([r for r in res.records if r.success], min_long_tokens)
+        xs, ys = [], []
+        for r in short:
+            xs += [r.start_s + t for t in r.chunk_s[1:]]
+            ys += _ms(request_metrics(r).itl_s)
+        longest[name] = max(ys, default=0.0)
+        fig.add_scatter(x=xs, y=ys, mode="markers", marker=dict(size=5, color=PALETTE[0]), name="a short answer's gap",
+                        legendgroup="gap", showlegend=col == 1, row=1, col=col,
+                        hovertemplate="%{x:.2f} s: %{y:,.0f} ms<extra>" + name + "</extra>")
+        for r in long_:
+            fig.add_vline(x=r.start_s, line_dash="dash", line_color=PALETTE[1], row=1, col=col)
+            fig.add_vline(x=r.start_s + r.chunk_s[0], line_dash="dot", line_color=PALETTE[2], row=1, col=col)
+        fig.update_xaxes(title="s since the run started", row=1, col=col)
+    for dash, color, label in (("dash", PALETTE[1], "a long prompt sent"), ("dot", PALETTE[2], "its first token")):
+        fig.add_scatter(x=[None], y=[None], mode="lines", line=dict(dash=dash, color=color), name=label)
+    fig.update_yaxes(title="gap between chunks (ms)", rangemode="tozero", row=1, col=1)
+    fig.update_layout(template=TEMPLATE, height=440, hovermode="closest",
+                      legend=dict(orientation="h", yanchor="top", y=-0.2, xanchor="center", x=0.5),
+                      title="The short answers' longest gap: " + ", ".join(f"{n} {v:,.0f} ms" for n, v in longest.items()))
+    return fig

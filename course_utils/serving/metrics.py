@@ -172,3 +172,12 @@ def summarize(records: Sequence[RequestRecord], duration_s: float, *, slo: SLO |
 def goodput(records: Sequence[RequestRecord], duration_s: float, slo: SLO) -> float:
     """Requests per second that met every objective of ``slo``."""
     return summarize(records, duration_s, slo=slo).request_goodput
+
+
+def split_by_prompt(records: Sequence[RequestRecord], min_long_tokens: int) -> tuple[list[RequestRecord],
+                                                                                       list[RequestRecord]]:
+    """``(short, long)``: the records whose prompt has fewer than ``min_long_tokens`` tokens, and the others, each
+    in the order given (chapter 11's long-prompt trace: how the long prompts' prefill touches the short answers)."""
+    check_positive_int("min_long_tokens", min_long_tokens)
+    short = [r for r in records if r.prompt_tokens < min_long_tokens]
+    return short, [r for r in records if r.prompt_tokens >= min_long_tokens]

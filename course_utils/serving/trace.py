@@ -143,3 +143,65 @@ def skewed_trace(tok, n: int = 32, *, rate_per_s: float = 2.0, process: str = "p
     starts = np.concatenate([[0], np.cumsum(p_lens)[:-1]])
     prompts = [ids[s:s + k] for s, k in zip(starts, p_lens)]
     return make_trace(prompts, [int(x) for x in lengths], rate_per_s=rate_per_s, process=process, seed=seed)
+
+
+def long_prompt_positions(n_long: int, n_short: int) -> list[int]:
+    """Where the long requests sit among ``n_long + n_short`` requests (0-based, increasing): spread evenly, each
+    after at least one short one, so that short answers are being decoded when a long prompt arrives."""
+    check_positive_int("n_long", n_long)
+    check_positive_int("n_short", n_short)
+    step = (n_long + n_short) / (n_long + 1)               # >= 1: the positions are distinct and inside the trace
+    return [math.floor(k * step + 0.5) for k in range(1, n_long + 1)]
+
+
+def _check_range(name: str, bounds) -> tuple[int, int]:
+    if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
+        raise ValueError(f"{name} must be (shortest, longest) in tokens, got {bounds!r}")
+    lo, hi = bounds
+    check_positive_int(f"the shortest of {name}", lo)
+    if not isinstance(hi, int) or isinstance(hi, bool) or hi < lo:
+        raise ValueError(f"{name} must be (shortest, longest) with longest >= shortest, got {bounds!r}")
+    return lo, hi
+
+
+def long_prompt_lengths(n_long: int, n_short: int, *, long_tokens: tuple[int, int] = (768, 1024),
+                        short_tokens: tuple[int, int] = (16, 64), seed: int = 0) -> list[int]:
+    """The prompt lengths (tokens, in arrival order) of :func:`long_prompt_trace`: ``n_long`` long prompts, seeded
+    uniform in ``long_tokens`` (inclusive), at :func:`long_prompt_positions`; ``n_short`` short ones, seeded
+    log-uniform in ``short_tokens``, everywhere else. Every short prompt must be shorter than every long one."""
+    check_positive_int("n_long", n_long)
+    check_positive_int("n_short", n_short)
+    long_lo, long_hi = _check_range("long_tokens", long_tokens)
+    short_lo, short_hi = _check_range("short_tokens", short_tokens)
+    if short_hi >= long_lo:
+        raise ValueError(f"the short prompts must be shorter than the long ones: short_tokens {tuple(short_tokens)} "
+                         f"reaches long_tokens {tuple(long_tokens)}")
+    rng = np.random.default_rng(seed)
+    longs = rng.integers(long_lo, long_hi + 1, n_long).tolist()
+    shorts = np.round(np.exp(rng.uniform(np.log(short_lo), np.log(short_hi), n_short))).astype(int)
+    shorts = shorts.clip(short_lo, short_hi).tolist()
+    where = set(long_prompt_positions(n_long, n_short))
+    return [int(longs.pop(0) if i in where else shorts.pop(0)) for i in range(n_long + n_short)]
+
+
+def long_prompt_trace(tok, n_long: int = 2, n_short: int = 6, *, long_tokens: tuple[int, int] = (768, 1024),
+                      short_tokens: tuple[int, int] = (16, 64), long_output: int = 8, short_output: int = 32,
+                      rate_per_s: float = 4.0, process: str = "fixed", seed: int = 0) -> Trace:
+    """Chapter 11's long-prompt trace, where chunked prefill acts: a few long prompts among short ones.
+
+    Prompt lengths: :func:`long_prompt_lengths` (the long requests spread evenly among the short ones, after at
+    least one); output lengths fixed: ``long_output`` tokens for a long prompt, ``short_output`` for a short one;
+    arrivals: :func:`arrival_times_s` (default: one request every 1 / ``rate_per_s`` s). The prompts are
+    consecutive pieces of *Pride and Prejudice*, as token ids. A request is long when its prompt has at least
+    ``long_tokens[0]`` tokens.
+    """
+    from ..prompts import book_token_ids
+
+    check_positive_int("long_output", long_output)
+    check_positive_int("short_output", short_output)
+    lengths = long_prompt_lengths(n_long, n_short, long_tokens=long_tokens, short_tokens=short_tokens, seed=seed)
+    ids = book_token_ids(tok, sum(lengths))[0].tolist()
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    prompts = [ids[s:s + k] for s, k in zip(starts, lengths)]
+    outputs = [long_output if k >= long_tokens[0] else short_output for k in lengths]
+    return make_trace(prompts, outputs, rate_per_s=rate_per_s, process=process, seed=seed)
