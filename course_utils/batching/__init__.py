@@ -22,10 +22,18 @@ One module per idea; every name is re-exported here (``from course_utils.batchin
   contiguous tensor per layer.
 * :mod:`.engine_runs` -- a workload through the real engine (:func:`run_engine_workload`) and its
   :class:`Schedule` (:func:`schedule_from_engine`).
+* :mod:`.chunked` -- chunked prefill measured: :func:`long_prompt_arrives` runs a long prompt arriving while
+  streams decode and records every token's time; :func:`compare_chunking` (off vs on, alternating rounds),
+  :func:`budget_sweep`; the streams' gaps, the long prompt's time to first token (:func:`summarize_run`), and the
+  figures (:func:`chunked_timeline_figure`, :func:`budget_figure` for the slider).
 * :mod:`.figures` -- the sweep, the Gantt chart of the slots, the map of the paged cache.
 
 The real engine that runs the model this way lives in :mod:`course_utils.engine`.
 """
+from .chunked import (ChunkingSummary, LongPromptRun, RoundRange, StepLoad, budget_figure, budget_sweep, change,
+                      chunked_timeline_figure, compare_chunking, long_prompt_arrives, long_ttft_s, longest_gap_s,
+                      median_gap_s, prefill_steps, round_range, scenario_prompts, stream_gaps_s, stream_tokens_needed,
+                      summarize_run)
 from .engine_runs import pool_blocks, run_engine_workload, schedule_from_engine
 from .figures import block_map_figure, gantt_figure, policy_gantt, sweep_figure
 from .knee import DoublingGain, KneeRange, doubling_gains, find_knee, knee_range, knees_per_round
@@ -38,6 +46,9 @@ from .sweep import (GridPoint, SweepPoint, decode_step_grid, decode_step_sweep, 
 from .workload import round_preserving_total, skewed_lengths, syllabus_output_lengths
 
 __all__ = [
+    "ChunkingSummary", "LongPromptRun", "RoundRange", "StepLoad", "budget_figure", "budget_sweep", "change", "chunked_timeline_figure",
+    "compare_chunking", "long_prompt_arrives", "long_ttft_s", "longest_gap_s", "median_gap_s", "prefill_steps",
+    "round_range", "scenario_prompts", "stream_gaps_s", "stream_tokens_needed", "summarize_run",
     "DoublingGain", "GatherCost", "GridPoint", "KneeRange", "RooflinePoint", "Schedule", "SharingSummary", "Span",
     "StepCost", "SweepPoint", "block_gathers", "block_map_figure", "cache_step_bytes", "decode_intensity", "decode_step_grid", "decode_step_sweep", "doubling_gains",
     "fill_cache", "find_knee", "gantt_figure", "knee_range", "knees_per_round", "paged_kv_bytes", "policy_gantt", "pool_blocks",
