@@ -1,7 +1,9 @@
 """Chapter 11 rows: the course engine behind its streaming server, measured by the chapter's client.
 
-The server runs in a thread of this process (the chapter runs it as a child process, and vLLM
-beside it; vLLM's start-up takes minutes, so it is left to the chapter and its tests).
+The first rows run the server in a thread of this process, on the chapter's trace. The long-prompt rows set the
+course engine's server (bfloat16, chunked prefill; a child process) against vLLM's (bfloat16, the same step budget)
+on the chapter's long-prompt trace, where vLLM's environment exists; in the reduced run (tests) they are left out,
+since vLLM's start-up takes minutes.
 """
 from __future__ import annotations
 
@@ -36,3 +38,99 @@ def rows(ctx):
                            f"(n = {s.itl.n})")
             yield Row(_SECTION, f"engine server: output throughput, {where}", s.output_throughput, "tok/s",
                       note=f"{s.request_throughput:.2f} req/s served; goodput {s.request_goodput:.2f} req/s under {slo}")
+    yield from _long_prompts_vs_vllm(ctx)
+
+
+#: The long-prompt rows' step budget (tokens): both servers cut every prompt longer than this into pieces.
+LONG_BUDGET = 512
+
+
+def _long_prompts_vs_vllm(ctx):
+    """The course engine (bf16, its quickest eager bf16 path, chunked prefill) against vLLM (bf16, the same step
+    budget) on chapter 11's long-prompt trace, by the chapter's client: blocks engine, vLLM, vLLM, engine, each of two
+    replays, vLLM stopped while the engine is measured (as the engine-speed rows do)."""
+    if ctx.reduced:           # vLLM's start-up takes minutes: left to the full run
+        return
+    import statistics
+    import tempfile
+    from pathlib import Path
+
+    from .. import vllm_env
+    from ..engine.speed import available_paths, fastest_exact_bf16
+    from ..engine_server import start_engine_server
+    from ..models import resolve_model_source
+    from ..serving import long_prompt_trace, split_by_prompt, summarize
+    from .engine_speed import _served_threads
+
+    support = vllm_env.vllm_available(ctx.device)
+    if not support:
+        yield Row(_SECTION, "long prompts, vLLM CPU bf16: not measured", float("nan"), "", note=support.reason)
+        return
+    _, tok = ctx.model()
+    long_tokens = (512, 2048)
+    trace = long_prompt_trace(tok, 4, 8, long_tokens=long_tokens, short_tokens=(16, 64), long_output=8,
+                              short_output=24, rate_per_s=4.0)
+    lengths = [r.prompt_tokens for r in trace.requests if r.prompt_tokens >= long_tokens[0]]
+    slots, threads, pack = 8, _served_threads(), fastest_exact_bf16(available_paths(ctx.device))
+    blocks = sum(-(-(r.prompt_tokens + r.output_tokens) // 16) + 1 for r in trace.requests)
+    figures = {"course engine": [], "vLLM": []}
+
+    def block(name, url):
+        for _ in range(2):
+            res = replay(url, "m", trace, warmup=0, progress=False)
+            short, long_ = split_by_prompt(res.records, long_tokens[0])
+            a, sh = res.summary(), summarize(short, res.duration_s, percentiles=(100,))
+            figures[name].append(dict(ttft=a.ttft.median, tps=a.output_throughput, gap=sh.itl.p(100),
+                                      long_ttft=summarize(long_, res.duration_s).ttft.median))
+
+    engine = start_engine_server(ctx.model_name, served_model_name="m", dtype="bfloat16", pack=pack, max_num_seqs=slots,
+                                 num_blocks=blocks, prefix_caching=False, threads=threads, chunked_prefill=True,
+                                 max_num_batched_tokens=LONG_BUDGET, progress=False)
+    try:
+        replay(engine.base_url, "m", trace, warmup=1, progress=False)               # every shape once, unclocked
+        block("course engine", engine.base_url)
+        folder, _ = resolve_model_source(ctx.model_name)
+        log = Path(tempfile.gettempdir()) / "course-bench-vllm-long-prompts.log"
+        vllm = vllm_env.start_vllm_server(folder, served_model_name="m", dtype="bfloat16", max_num_seqs=slots,
+                                          max_num_batched_tokens=LONG_BUDGET, progress=False, log_path=log,
+                                          max_model_len=max(1024, *(r.prompt_tokens + r.output_tokens
+                                                                    for r in trace.requests)))
+        try:
+            settings = vllm_env.server_settings(log.read_text(errors="replace"))       # what vLLM says it did
+            replay(vllm.base_url, "m", trace, warmup=1, progress=False)
+            block("vLLM", vllm.base_url)
+            block("vLLM", vllm.base_url)
+        finally:
+            vllm.stop()
+        block("course engine", engine.base_url)
+    finally:
+        engine.stop()
+    med = {name: {k: statistics.median(f[k] for f in runs) for k in runs[0]} for name, runs in figures.items()}
+    rng = {name: {k: (min(f[k] for f in runs), max(f[k] for f in runs)) for k in runs[0]}
+           for name, runs in figures.items()}
+    e, v = med["course engine"], med["vLLM"]
+    where = (f"{len(trace)} requests at 4 req/s, {len(lengths)} long prompts ({', '.join(map(str, lengths))} tokens, "
+             f"8 tokens out) among {len(trace) - len(lengths)} short ones (16-64 tokens, 24 out); both servers chunked "
+             f"with a {LONG_BUDGET}-token step budget, {slots} slots, {threads} compute thread"
+             f"{'s' if threads > 1 else ''}; engine pack {pack}; blocks engine, vLLM, vLLM, engine of 2 runs each, "
+             "vLLM stopped during the engine's; medians of 4 runs per server")
+
+    def span(name, k, scale=1e3, spec=",.0f"):
+        lo, hi = rng[name][k]
+        return f"{med[name][k] * scale:{spec}} ({lo * scale:{spec}}-{hi * scale:{spec}})"
+
+    yield Row(_SECTION, "long prompts, bf16, chunked: engine / vLLM output throughput", e["tps"] / v["tps"], "x",
+              ">= 1.0x", e["tps"] / v["tps"] >= 1.0,
+              note=f"engine {span('course engine', 'tps', 1, '.1f')} tok/s, vLLM {span('vLLM', 'tps', 1, '.1f')} "
+                   f"tok/s; {where}")
+    yield Row(_SECTION, "long prompts, bf16, chunked: engine / vLLM median TTFT", e["ttft"] / v["ttft"], "x",
+              "<= 1.0x", e["ttft"] / v["ttft"] <= 1.0,
+              note=f"engine {span('course engine', 'ttft')} ms, vLLM {span('vLLM', 'ttft')} ms")
+    yield Row(_SECTION, "long prompts, bf16, chunked: engine / vLLM long prompts' median TTFT",
+              e["long_ttft"] / v["long_ttft"], "x",
+              note=f"engine {span('course engine', 'long_ttft')} ms, vLLM {span('vLLM', 'long_ttft')} ms")
+    budget = settings.token_budget
+    yield Row(_SECTION, "long prompts, bf16, chunked: engine / vLLM short answers' longest gap", e["gap"] / v["gap"],
+              "x", note=f"engine {span('course engine', 'gap')} ms, vLLM {span('vLLM', 'gap')} ms; vLLM's log: step "
+                        f"budget {budget if budget else '?'}, chunked prefill "
+                        f"{'?' if settings.chunked_prefill is None else settings.chunked_prefill}")
