@@ -65,6 +65,9 @@ def test_spread_and_its_overlap():
 def test_stream_tokens_cover_the_chunked_prefill():
     # budget 10 with 4 streams: 6 prompt tokens a step, 100 tokens in 17 steps
     assert stream_tokens_needed(100, n_streams=4, budget=10, tokens_before=3, tokens_after=2) == 3 + 17 + 2
+    # prompts of 12 tokens each at budget 10: the streams' prompts take up to 8 steps, so they start that far apart
+    assert stream_tokens_needed(100, n_streams=4, budget=10, tokens_before=3, tokens_after=2,
+                                stream_prompt_tokens=12) == 3 + 8 + 17 + 2
     with pytest.raises(ValueError, match="exceed n_streams"):
         stream_tokens_needed(100, n_streams=4, budget=4, tokens_before=3, tokens_after=2)
 
@@ -107,6 +110,28 @@ def test_with_chunking_every_stream_gets_a_token_in_every_step_of_the_prompt(tin
         assert all(s.end_s in times for s in steps)
         assert times[-1] > run.long_token_s[0]               # still decoding after the prompt's first token
     assert len(run.long_token_s) == len(run.long_ids) == 3
+
+
+def test_the_decode_tokens_take_their_share_of_the_budget_first(tiny_llama):
+    # a budget as long as the prompt still cuts it in two while streams decode; the prompt plus the streams fits in one
+    prompts, long, args = _scenario(tiny_llama)
+    for budget, expected in ((LONG, [LONG - N_STREAMS, N_STREAMS]), (LONG + N_STREAMS, [LONG])):
+        run = long_prompt_arrives(tiny_llama, prompts, long, chunked_prefill=True, budget=budget, **args)
+        assert [s.prefill_tokens for s in prefill_steps(run)] == expected
+        assert all(s.decode_tokens == N_STREAMS for s in prefill_steps(run))
+
+
+def test_streams_started_apart_still_decode_through_the_long_prompt(tiny_llama):
+    # prompts longer than the budget start the streams steps apart: every step that feeds the long prompt must
+    # still give every stream its token
+    prompts = [[(5 * i + j) % 90 + 3 for j in range(12)] for i in range(N_STREAMS)]
+    long = [(3 * j) % 97 + 2 for j in range(LONG)]
+    tokens = stream_tokens_needed(LONG, n_streams=N_STREAMS, budget=BUDGET - 3, tokens_before=2, tokens_after=1,
+                                  stream_prompt_tokens=12)
+    run = long_prompt_arrives(tiny_llama, prompts, long, chunked_prefill=True, budget=BUDGET - 3, stream_tokens=tokens,
+                              long_tokens=2, tokens_before=2, block_size=4)
+    assert run.stream_token_s[0][0] < run.stream_token_s[-1][0]          # they did start apart
+    assert all(s.decode_tokens == N_STREAMS for s in prefill_steps(run))
 
 
 def test_chunking_changes_no_token_and_both_match_generate(tiny_model):
@@ -160,6 +185,12 @@ def test_the_timeline_puts_both_runs_on_the_long_prompts_clock():
     assert list(fig.data[0].x) == pytest.approx([-0.5, 0.0, 1.0, 1.5, 2.0])
     assert list(fig.data[2].x) == pytest.approx([1.5, 2.0])               # the long request's tokens
     assert "1.50 s" in fig.layout.title.text and "10-token prompt" in fig.layout.title.text
+    # one shaded rectangle per step that fed the long prompt, in each run's panel, and the two arrival lines
+    rects = [s for s in fig.layout.shapes if s.type == "rect"]
+    assert len(rects) == len(prefill_steps(off)) + len(prefill_steps(on)) == 4
+    assert len(fig.layout.shapes) == len(rects) + 2
+    assert sorted(x for r in rects for x in (r.x0, r.x1)) == pytest.approx([0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.5, 1.5])
+    assert {r.yref for r in rects} == {"y domain", "y2 domain"}
 
 
 def test_the_budget_slider_redraws_from_the_precomputed_runs():
@@ -175,5 +206,7 @@ def test_the_budget_slider_redraws_from_the_precomputed_runs():
     assert list(long_tokens[0].x) == pytest.approx([1.0, 2.0])           # budget 16's run, drawn on the right
     assert "Budget 16" in fig.layout.title.text
     assert budget_figure(off, sweep, 8).data[-1].x != fig.data[-1].x
+    rects = [s for s in fig.layout.shapes if s.type == "rect"]          # budget 16's steps that fed the prompt
+    assert len(rects) == len(prefill_steps(sweep[16])) == 1 and {r.xref for r in rects} == {"x2"}
     with pytest.raises(ValueError, match="one of the runs' budgets"):
         budget_figure(off, sweep, 32)

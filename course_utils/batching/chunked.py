@@ -77,16 +77,22 @@ def scenario_prompts(tok, *, n_streams: int, stream_prompt_tokens: int,
 
 
 def stream_tokens_needed(long_prompt_tokens: int, *, n_streams: int, budget: int, tokens_before: int,
-                         tokens_after: int) -> int:
+                         tokens_after: int, stream_prompt_tokens: int = 0) -> int:
     """Tokens per stream so that every stream is still decoding when the long prompt gets its first token at
-    ``budget`` (each step gives ``n_streams`` tokens to decodes, the rest to the prompt), and ``tokens_after`` more."""
+    ``budget`` (each step gives ``n_streams`` tokens to decodes, the rest to the prompt), and ``tokens_after`` more.
+
+    ``stream_prompt_tokens``: each stream's prompt length. When the streams' own prompts take several steps at
+    ``budget``, the first stream starts decoding before the last (the long prompt arrives once the last has
+    ``tokens_before`` tokens): the streams get one token more per step those prompts can take."""
     check_positive_int("long_prompt_tokens", long_prompt_tokens)
     check_non_negative_int("tokens_after", tokens_after)
     check_positive_int("tokens_before", tokens_before)
+    check_non_negative_int("stream_prompt_tokens", stream_prompt_tokens)
     if budget <= n_streams:
         raise ValueError(f"the budget must exceed n_streams ({n_streams}) to leave room for a prompt chunk, "
                          f"got {budget}")
-    return tokens_before + math.ceil(long_prompt_tokens / (budget - n_streams)) + tokens_after
+    stagger = math.ceil(n_streams * stream_prompt_tokens / (budget - n_streams)) if stream_prompt_tokens else 0
+    return tokens_before + stagger + math.ceil(long_prompt_tokens / (budget - n_streams)) + tokens_after
 
 
 def long_prompt_arrives(model, stream_prompts: Sequence[Sequence[int]], long_prompt: Sequence[int], *,
@@ -247,9 +253,6 @@ def round_range(values: Sequence[float]) -> RoundRange:
 def _timeline_traces(fig: go.Figure, run: LongPromptRun, row: int, col: int, *, legend: bool) -> None:
     """The streams' tokens (one marker row per stream), the long request's, and the steps that fed its prompt."""
     t0 = run.arrival_s
-    for s in prefill_steps(run):
-        fig.add_vrect(x0=s.start_s - t0, x1=s.end_s - t0, fillcolor=PALETTE[1], opacity=0.18, line_width=0,
-                      row=row, col=col)
     for i, times in enumerate(run.stream_token_s):
         fig.add_scatter(x=[t - t0 for t in times], y=[f"stream {i}"] * len(times), mode="markers",
                         marker=dict(color=PALETTE[0], size=7, symbol="line-ns-open", line_width=2),
@@ -259,6 +262,10 @@ def _timeline_traces(fig: go.Figure, run: LongPromptRun, row: int, col: int, *, 
                     marker=dict(color=PALETTE[5], size=9, symbol="diamond"), name="the long request's token",
                     legendgroup="long", showlegend=legend,
                     hovertemplate="long request: token at %{x:.2f} s<extra></extra>", row=row, col=col)
+    # shapes after the traces: plotly drops a shape meant for a subplot that has no data yet
+    for s in prefill_steps(run):
+        fig.add_vrect(x0=s.start_s - t0, x1=s.end_s - t0, fillcolor=PALETTE[1], opacity=0.18, line_width=0,
+                      layer="below", row=row, col=col)
     fig.add_vline(x=0, line_dash="dot", line_color=PALETTE[7], row=row, col=col)
 
 
@@ -284,7 +291,7 @@ def chunked_timeline_figure(off: LongPromptRun, on: LongPromptRun, *, which: str
 def budget_figure(off: LongPromptRun, sweep: Mapping[int, LongPromptRun], budget: int) -> go.Figure:
     """The slider's pure function. Left: the streams' longest gap and the long prompt's time to first token
     against the token budget (chunking off drawn as flat dashed lines), the chosen budget marked. Right: the
-    chosen budget's timeline."""
+    chosen budget's timeline, the steps that fed the long prompt shaded."""
     from plotly.subplots import make_subplots
     if budget not in sweep:
         raise ValueError(f"budget must be one of the runs' budgets {sorted(sweep)}, got {budget!r}")
@@ -307,6 +314,6 @@ def budget_figure(off: LongPromptRun, sweep: Mapping[int, LongPromptRun], budget
                             f"(off: {base.longest_gap_s:.2f} s), first token after {chosen.ttft_s:.2f} s (off: {base.ttft_s:.2f} s)")
     fig.update_xaxes(type="log", tickvals=budgets, title="token budget per step (max_num_batched_tokens)", row=1, col=1)
     fig.update_yaxes(title="seconds", rangemode="tozero", row=1, col=1)
-    fig.update_xaxes(title="seconds since the long prompt arrived", row=1, col=2)
+    fig.update_xaxes(title="seconds since the long prompt arrived (shaded: steps that fed it)", row=1, col=2)
     fig.update_yaxes(autorange="reversed", row=1, col=2)
     return fig
