@@ -305,8 +305,9 @@ def _after(text: str, key: str, stop: str = ",") -> str | None:
 
 def server_settings(log_text: str) -> ServerSettings:
     """Read what vLLM did from its start-up log: the engine's config line, its OpenMP binding lines and PyTorch's
-    thread count. The token budget is the upper end of the compiled graph's size range, which vLLM sets to
-    ``max_num_batched_tokens``."""
+    thread count. The token budget is what its scheduler says (``Chunked prefill is enabled with
+    max_num_batched_tokens=N``); without that line, the upper end of the compiled graph's size range, which vLLM sets
+    to ``max_num_batched_tokens``."""
     import re
 
     def flag(key):
@@ -320,7 +321,9 @@ def server_settings(log_text: str) -> ServerSettings:
     threads = number(r"Reducing Torch threads from \d+ to (\d+)")
     mode = re.search(r"'mode': <CompilationMode\.(\w+)", log_text)
     ends = re.search(r"'compile_ranges_endpoints': \[([\d, ]*)\]", log_text)
-    budget = max((int(x) for x in ends.group(1).split(",") if x.strip()), default=None) if ends else None
+    budget = number(r"Chunked prefill is enabled with max_num_batched_tokens=(\d+)")
+    if budget is None and ends:
+        budget = max((int(x) for x in ends.group(1).split(",") if x.strip()), default=None)
     return ServerSettings(
         version=_after(log_text, "Initializing a V1 LLM engine (v", ")"), dtype=_after(log_text, "dtype=torch."),
         bound_cpus=_after(log_text, "core ids=", "\n"), reserved_cpus=_after(log_text, "reserved_cpus=", "\n"),

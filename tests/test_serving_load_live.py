@@ -287,6 +287,14 @@ def test_what_vllm_did_is_read_from_its_log():
     assert empty.token_budget is None and empty.chunked_prefill is None and empty.version is None
 
 
+def test_vllms_step_budget_is_read_from_its_scheduler_line_first():
+    line = ("(APIServer pid=1) INFO 12-06 11:31:32 [scheduler.py:307] Chunked prefill is enabled with "
+            "max_num_batched_tokens=512.\n")
+    assert vllm_env.server_settings(line + LOG).token_budget == 512        # the scheduler's word over the graph's range
+    assert vllm_env.server_settings(line).token_budget == 512               # no compile-range line
+    assert vllm_env.server_settings(LOG).token_budget == 2048               # the compile range, as a fallback
+
+
 def test_the_trace_file_carries_the_trace_for_vllms_benchmark(tmp_path):
     path = vllm_env.write_trace_file(TRACE, tmp_path / "t.jsonl")
     rows = [json.loads(l) for l in path.read_text().splitlines()]

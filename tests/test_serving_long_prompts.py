@@ -8,7 +8,7 @@ import pytest
 from course_utils.prompts import book_token_ids
 from course_utils.serving import (
     ReplayResult, RequestRecord, long_prompt_lengths, long_prompt_positions, long_prompt_trace, make_trace,
-    split_by_prompt, stall_figure,
+    split_by_prompt, stall_figure, stalls,
 )
 
 
@@ -101,6 +101,44 @@ def test_the_stall_figure_shows_the_short_answers_gaps_and_the_long_prompts():
     assert {round(s.x0, 6) for s in fig.layout.shapes} == {0.3, 0.9}                 # the long one sent, first token
     assert "a 700 ms" in fig.layout.title.text and "b 700 ms" in fig.layout.title.text
     assert np.isclose(max(gaps.y), 700.0)
+
+
+def test_the_stall_figure_can_use_a_log_axis_and_name_its_runs():
+    fig = stall_figure({"a": _result()}, 512, log_y=True, runs="first run")
+    assert fig.layout.yaxis.type == "log" and "log scale" in fig.layout.yaxis.title.text
+    assert fig.layout.title.text.startswith("The short answers' longest gap (first run): a 700 ms")
+    assert stall_figure({"a": _result()}, 512).layout.yaxis.type != "log"
+
+
+def _stalled_records():
+    """Three answers, decode gaps of 0.1 s; two wait together 1.0 s (ending at 1.5 s), one waits 0.6 s alone (2.2 s),
+    two wait 0.8 s together (3.0 s)."""
+    def rec(i, start, ends):
+        return RequestRecord(i, 20, len(ends), start, [t - start for t in ends], [1] * len(ends), len(ends))
+    r0 = rec(0, 0.0, [0.1, 0.2, 0.3, 0.4, 0.5, 1.5, 1.6, 1.7, 1.8, 1.9, 2.0, 2.1, 2.2, 3.0, 3.1])
+    r1 = rec(1, 0.25, [0.35, 0.45, 1.5005, 1.6, 1.7])
+    r2 = rec(2, 1.0, [1.2, 1.5002, 1.6, 2.2, 3.0002, 3.1])
+    failed = RequestRecord(3, 20, 4, 0.0, [], [], 0, error="HTTP 500")
+    return [r0, r1, r2, failed]
+
+
+def test_long_gaps_are_counted_summed_and_grouped_by_the_step_they_ended_with():
+    st = stalls(_stalled_records())
+    assert st.median_gap_s == pytest.approx(0.1, abs=1e-6) and st.threshold_s == pytest.approx(0.5, abs=1e-5)
+    assert st.count == 5 and st.total_s == pytest.approx(1.0 + 1.0505 + 0.6 + 0.8 + 0.8002)
+    assert [len(s) for s in st.steps] == [2, 1, 2]
+    assert st.step_s == pytest.approx((1.0505, 0.6, 0.8002))
+    assert st.waiting_in_longest == 2
+    assert [round(t, 4) for t, _ in st.gaps] == [1.5, 1.5005, 2.2, 3.0, 3.0002]
+    none = stalls(_stalled_records(), factor=20)
+    assert (none.count, none.total_s, none.steps, none.waiting_in_longest) == (0, 0.0, (), 0)
+    assert stalls([]).count == 0
+
+
+@pytest.mark.parametrize("bad, match", [(0.5, "factor must be >= 1.0"), ("5", "factor must be a finite number")])
+def test_the_stall_factor_is_checked(bad, match):
+    with pytest.raises(ValueError, match=match):
+        stalls(_stalled_records(), factor=bad)
 
 
 @pytest.mark.parametrize("bad", [0, -5, 2.5, True, "512"])

@@ -5,7 +5,7 @@
   or a fixed rate, seeded), scheduled the way ``vllm bench serve`` schedules them.
   :func:`skewed_trace` builds the default workload: chapter 04's skewed answer lengths behind
   prompts cut from *Pride and Prejudice*; :func:`long_prompt_trace` a few long prompts among short ones,
-  where chunked prefill acts (:func:`split_by_prompt` and :func:`stall_figure` read its runs).
+  where chunked prefill acts (:func:`split_by_prompt`, :func:`stalls` and :func:`stall_figure` read its runs).
 * **The client** (:func:`replay`): sends every request of a trace at its arrival time to an
   OpenAI-compatible ``/v1/completions`` endpoint (streaming, asynchronous, any number in flight)
   and records when each streamed chunk arrives (:class:`RequestRecord`). Output lengths are
@@ -48,7 +48,7 @@ from .trace import (
 )
 from .metrics import (
     MS_PER_S, PERCENTILES, Distribution, RequestMetrics, RequestRecord, SLO, ServingSummary, distribution,
-    goodput, meets_slo, request_metrics, split_by_prompt, summarize,
+    Stalls, goodput, meets_slo, request_metrics, split_by_prompt, stalls, summarize,
 )
 from .client import (
     ReplayError, ReplayResult, ServerUnreachable, check_server, completion_payload, replay, replay_async,
@@ -66,12 +66,12 @@ from .figures import latency_cdf_figure, stall_figure, timeline_figure
 __all__ = [
     'ARRIVAL_PROCESSES', 'ClientAgreement', 'Distribution', 'GROWTH_LIMIT', 'Knee', 'MS_PER_S', 'PERCENTILES',
     'Queueing', 'RatePoint', 'ReplayError', 'ReplayResult', 'RequestMetrics', 'RequestRecord', 'RequestTimes',
-    'SLO', 'ServerProcess', 'ServerUnreachable', 'ServingSummary', 'Spread', 'Trace', 'TraceRequest',
+    'SLO', 'ServerProcess', 'Stalls', 'ServerUnreachable', 'ServingSummary', 'Spread', 'Trace', 'TraceRequest',
     'agreement', 'arrival_times_s', 'baseline_growth', 'by_rate', 'capacity_per_s', 'check_server', 'completion_payload',
     'die_with_parent', 'distribution', 'served_knee', 'free_port', 'goodput', 'goodput_figure',
     'latency_cdf_figure', 'long_prompt_lengths', 'long_prompt_positions', 'long_prompt_trace', 'machine_busy',
     'make_trace', 'meets_slo', 'queueing', 'replay', 'replay_async', 'replay_in_process', 'request_metrics',
-    'run_sync', 'skewed_trace', 'slo_from_solo', 'split_by_prompt', 'spread', 'stall_figure', 'stop_all_servers',
+    'run_sync', 'skewed_trace', 'slo_from_solo', 'split_by_prompt', 'spread', 'stall_figure', 'stalls', 'stop_all_servers',
     'summarize', 'rate_sweep_figure',
     'sweep_queueing', 'timeline_figure', 'ttft_by_index_figure', 'ttft_growth', 'times_from_bench', 'times_from_records',
 ]

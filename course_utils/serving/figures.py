@@ -75,11 +75,12 @@ def timeline_figure(results: dict[str, ReplayResult], *, max_requests: int = 16)
     return fig
 
 
-def stall_figure(results: dict[str, ReplayResult], min_long_tokens: int):
+def stall_figure(results: dict[str, ReplayResult], min_long_tokens: int, *, log_y: bool = False, runs: str = ""):
     """Every gap between two streamed chunks of the short requests (ms), at the time it ended (s after the run
     started), one panel per server; dashed lines mark when each long request (a prompt of at least
     ``min_long_tokens`` tokens) was sent, dotted ones its first token. A prefill that every running request waits
-    for shows as a tall gap after a dashed line."""
+    for shows as a tall gap after a dashed line. ``log_y``: a logarithmic gap axis (a decode step's gaps and a
+    prefill's side by side); ``runs``: which runs these are, said in the title."""
     from plotly.subplots import make_subplots
 
     from ..plots import PALETTE, TEMPLATE
@@ -104,8 +105,12 @@ def stall_figure(results: dict[str, ReplayResult], min_long_tokens: int):
         fig.update_xaxes(title="s since the run started", row=1, col=col)
     for dash, color, label in (("dash", PALETTE[1], "a long prompt sent"), ("dot", PALETTE[2], "its first token")):
         fig.add_scatter(x=[None], y=[None], mode="lines", line=dict(dash=dash, color=color), name=label)
-    fig.update_yaxes(title="gap between chunks (ms)", rangemode="tozero", row=1, col=1)
+    if log_y:
+        fig.update_yaxes(type="log")
+    fig.update_yaxes(title="gap between chunks (ms)" + (", log scale" if log_y else ""),
+                     **({} if log_y else dict(rangemode="tozero")), row=1, col=1)
     fig.update_layout(template=TEMPLATE, height=440, hovermode="closest",
                       legend=dict(orientation="h", yanchor="top", y=-0.2, xanchor="center", x=0.5),
-                      title="The short answers' longest gap: " + ", ".join(f"{n} {v:,.0f} ms" for n, v in longest.items()))
+                      title="The short answers' longest gap" + (f" ({runs})" if runs else "") + ": "
+                      + ", ".join(f"{n} {v:,.0f} ms" for n, v in longest.items()))
     return fig

@@ -181,3 +181,55 @@ def split_by_prompt(records: Sequence[RequestRecord], min_long_tokens: int) -> t
     check_positive_int("min_long_tokens", min_long_tokens)
     short = [r for r in records if r.prompt_tokens < min_long_tokens]
     return short, [r for r in records if r.prompt_tokens >= min_long_tokens]
+
+
+@dataclass(frozen=True)
+class Stalls:
+    """The long gaps of some answers: the gaps longer than ``factor`` times their median gap (``threshold_s``), as
+    ``(ended_s, gap_s)`` in the order they ended (s after the run started), grouped by step: gaps that ended within
+    half the threshold of each other ended with the same step (every answer in flight waits for it)."""
+
+    median_gap_s: float
+    threshold_s: float
+    gaps: tuple[tuple[float, float], ...]
+    steps: tuple[tuple[float, ...], ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.gaps)
+
+    @property
+    def total_s(self) -> float:
+        """The time the answers spent in long gaps, summed over the answers."""
+        return float(sum(g for _, g in self.gaps))
+
+    @property
+    def step_s(self) -> tuple[float, ...]:
+        """Each stalled step's length: the longest gap that ended with it."""
+        return tuple(max(s) for s in self.steps)
+
+    @property
+    def waiting_in_longest(self) -> int:
+        """How many answers waited in the step with the longest gap (0 without long gaps)."""
+        return len(max(self.steps, key=max, default=()))
+
+
+def stalls(records: Sequence[RequestRecord], factor: float = 5.0) -> Stalls:
+    """The gaps of the successful ``records`` (one server's run) longer than ``factor`` times the median gap, grouped
+    by the step they ended with (chapter 11: how a long prefill stalls the answers in flight, whole or in pieces)."""
+    check_finite("factor", factor, minimum=1.0)
+    ended = [(r.start_s + t, g) for r in records if r.success
+             for t, g in zip(r.chunk_s[1:], request_metrics(r).itl_s)]
+    if not ended:
+        return Stalls(0.0, 0.0, (), ())
+    median = float(np.median([g for _, g in ended]))
+    threshold = factor * median
+    long_ = sorted((t, g) for t, g in ended if g > threshold)
+    steps: list[list[float]] = []
+    last = None
+    for t, g in long_:
+        if last is None or t - last > threshold / 2:
+            steps.append([])
+        steps[-1].append(g)
+        last = t
+    return Stalls(median, threshold, tuple(long_), tuple(tuple(s) for s in steps))
