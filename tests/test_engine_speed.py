@@ -81,6 +81,53 @@ def test_the_profile_counts_every_matrix_product_of_a_step(tiny_model):
     assert "run" not in engine.runner.__dict__
 
 
+def _chunked_engine(model, budget, prompt_len, *, prefix_caching=False):
+    from course_utils.engine import LLMEngine
+    return LLMEngine(model, num_blocks=-(-prompt_len // 16) + 2, block_size=16, max_num_seqs=1,
+                     prefix_caching=prefix_caching, weights=RunnerWeights.from_model(model, "float32"),
+                     chunked_prefill=True, max_num_batched_tokens=budget)
+
+
+def test_the_prefill_profile_counts_every_chunk_steps_products_and_flops(tiny_model):
+    """A 32-token prompt in 16-token chunks: two steps, each with 4 products per layer and the LM head, one
+    attention call per layer; the classes add up to the profiled step; the products' FLOPs are 2 x tokens x the
+    model's layer weights plus 2 x the LM head's (one row per step)."""
+    model = tiny_model
+    engine = _chunked_engine(model, 16, 32)
+    p = S.profile_prefill(engine, _prompts(model.config.vocab_size, 1, 32), label="tiny", roof_flops=1e9)
+    assert p.steps == 2 and p.prompt_tokens == 16
+    assert p.calls_per_step["matrix products"] == 4 * model.config.num_hidden_layers + 1
+    assert p.calls_per_step["attention"] == model.config.num_hidden_layers
+    assert set(p.ms_per_step) == set(S.CLASSES)
+    assert all(v >= 0 for v in p.ms_per_step.values()) and p.ms_per_step["matrix products"] > 0
+    operators = sum(v for k, v in p.ms_per_step.items() if k != S.PYTHON)
+    assert operators <= p.total_ms + 1e-9                       # the operators fit inside the step's range
+    step_ms = p.profiled_step_s * 1e3                            # the engine's clock around the same two steps
+    assert p.total_ms == pytest.approx(step_ms, rel=0.25, abs=0.5)
+    layer_weights = sum(m.weight.numel() for layer in model.model.layers for m in layer.modules()
+                        if isinstance(m, torch.nn.Linear))
+    flops = 2 * (16 * layer_weights + model.get_output_embeddings().weight.numel())
+    assert p.matrix_flops == pytest.approx(flops)
+    assert p.floor_s == pytest.approx(flops / 1e9)
+    assert p.step_s > 0
+    assert "run" not in engine.runner.__dict__
+    assert S.profile_prefill(engine, _prompts(model.config.vocab_size, 1, 32)).floor_s is None
+
+
+def test_the_prefill_profile_refuses_what_it_cannot_measure(tiny_llama):
+    vocab = tiny_llama.config.vocab_size
+    engine = _chunked_engine(tiny_llama, 16, 32)
+    with pytest.raises(ValueError, match="non-empty list"):
+        S.profile_prefill(engine, [])
+    with pytest.raises(ValueError, match="refused a prompt"):
+        S.profile_prefill(engine, [[]])
+    with pytest.raises(ValueError, match="roof_flops must be > 0"):
+        S.profile_prefill(engine, _prompts(vocab, 1, 32), roof_flops=0.0)
+    with pytest.raises(ValueError, match="prefix_caching=False"):
+        S.profile_prefill(_chunked_engine(tiny_llama, 16, 32, prefix_caching=True), _prompts(vocab, 1, 32))
+    assert "run" not in engine.runner.__dict__
+
+
 def test_bad_input_is_refused_with_a_clear_error(tiny_llama):
     prompts = _prompts(tiny_llama.config.vocab_size, 2)
     with pytest.raises(ValueError, match="at least batch"):

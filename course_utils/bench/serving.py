@@ -3,7 +3,9 @@
 The first rows run the server in a thread of this process, on the chapter's trace. The long-prompt rows set the
 course engine's server (bfloat16, chunked prefill; a child process) against vLLM's (bfloat16, the same step budget)
 on the chapter's long-prompt trace, where vLLM's environment exists; in the reduced run (tests) they are left out,
-since vLLM's start-up takes minutes.
+since vLLM's start-up takes minutes. Where the engine misses a target there, rows follow that profile one chunk
+step of its prefill (in this process, the served path and thread count) by operator class, with its matrix
+products' FLOP floor; the reduced run profiles a tiny chunk step instead, to check those rows.
 """
 from __future__ import annotations
 
@@ -49,18 +51,19 @@ def _long_prompts_vs_vllm(ctx):
     """The course engine (bf16, its quickest eager bf16 path, chunked prefill) against vLLM (bf16, the same step
     budget) on chapter 11's long-prompt trace, by the chapter's client: blocks engine, vLLM, vLLM, engine, each of two
     replays, vLLM stopped while the engine is measured (as the engine-speed rows do)."""
-    if ctx.reduced:           # vLLM's start-up takes minutes: left to the full run
+    from ..engine.speed import available_paths, fastest_exact_bf16
+    from .engine_speed import _served_threads
+    if ctx.reduced:           # vLLM's start-up takes minutes: left to the full run; a tiny chunk step profiled
+        yield from _prefill_profile(ctx, fastest_exact_bf16(available_paths(ctx.device)), _served_threads())
         return
     import statistics
     import tempfile
     from pathlib import Path
 
     from .. import vllm_env
-    from ..engine.speed import available_paths, fastest_exact_bf16
     from ..engine_server import start_engine_server
     from ..models import resolve_model_source
     from ..serving import long_prompt_trace, split_by_prompt, summarize
-    from .engine_speed import _served_threads
 
     support = vllm_env.vllm_available(ctx.device)
     if not support:
@@ -119,12 +122,13 @@ def _long_prompts_vs_vllm(ctx):
         lo, hi = rng[name][k]
         return f"{med[name][k] * scale:{spec}} ({lo * scale:{spec}}-{hi * scale:{spec}})"
 
+    met = e["tps"] / v["tps"] >= 1.0, e["ttft"] / v["ttft"] <= 1.0
     yield Row(_SECTION, "long prompts, bf16, chunked: engine / vLLM output throughput", e["tps"] / v["tps"], "x",
-              ">= 1.0x", e["tps"] / v["tps"] >= 1.0,
+              ">= 1.0x", met[0],
               note=f"engine {span('course engine', 'tps', 1, '.1f')} tok/s, vLLM {span('vLLM', 'tps', 1, '.1f')} "
                    f"tok/s; {where}")
     yield Row(_SECTION, "long prompts, bf16, chunked: engine / vLLM median TTFT", e["ttft"] / v["ttft"], "x",
-              "<= 1.0x", e["ttft"] / v["ttft"] <= 1.0,
+              "<= 1.0x", met[1],
               note=f"engine {span('course engine', 'ttft')} ms, vLLM {span('vLLM', 'ttft')} ms")
     yield Row(_SECTION, "long prompts, bf16, chunked: engine / vLLM long prompts' median TTFT",
               e["long_ttft"] / v["long_ttft"], "x",
@@ -134,3 +138,55 @@ def _long_prompts_vs_vllm(ctx):
               "x", note=f"engine {span('course engine', 'gap')} ms, vLLM {span('vLLM', 'gap')} ms; vLLM's log: step "
                         f"budget {budget if budget else '?'}, chunked prefill "
                         f"{'?' if settings.chunked_prefill is None else settings.chunked_prefill}")
+    if not all(met):          # where the engine's step time goes
+        yield from _prefill_profile(ctx, pack, threads)
+
+
+#: The classes of the chunk step's profile rows (the rest summed into one row).
+_PREFILL_ROWS = ("matrix products", "attention", "paged cache (write, gather)",
+                 "element-wise (norms, rotary, activation, residual)")
+
+
+def _prefill_profile(ctx, pack, threads):
+    """Where one chunk step of the engine's chunked prefill goes, by operator class: a prompt of twice the step
+    budget fed alone in budget-sized chunks, on the served path (bf16, ``pack``) and thread count, in this process
+    (no server); and its matrix products against their FLOP floor at the bf16 compute roof, on the same threads."""
+    import torch
+
+    from ..engine.model_runner import RunnerWeights
+    from ..engine.speed import CLASSES, profile_prefill
+    from ..measure import compute_roof_flops
+    model, _ = ctx.model()
+    budget = ctx.sizes(LONG_BUDGET, 16)
+    prompt = torch.randint(0, model.config.vocab_size, (2 * budget,), generator=torch.Generator().manual_seed(0))
+    before, engine = torch.get_num_threads(), None
+    torch.set_num_threads(threads)
+    try:
+        roof = compute_roof_flops(n=ctx.sizes(1024, 64), dtype=torch.bfloat16, device=ctx.device,
+                                  rounds=ctx.sizes(3, 1))
+        engine = LLMEngine(model, num_blocks=2 * budget // 16 + 2, block_size=16, max_num_seqs=1,
+                           prefix_caching=False, weights=RunnerWeights.from_model(model, "bfloat16", pack=pack),
+                           chunked_prefill=True, max_num_batched_tokens=budget)
+        p = profile_prefill(engine, [prompt.tolist()], roof_flops=roof)
+    finally:
+        torch.set_num_threads(before)
+        engine = None
+    name = (f"long prompts, engine prefill step of {p.prompt_tokens:.0f} prompt tokens (bf16, pack {pack}, "
+            f"{threads} thread{'s' if threads > 1 else ''})")
+    profiled = p.total_ms
+    yield Row(_SECTION, f"{name}: step time", p.step_s * 1e3, "ms",
+              note=f"median of the {p.steps} chunk steps of one {2 * budget}-token prompt fed alone; under the "
+                   f"profiler {p.profiled_step_s * 1e3:,.0f} ms")
+    for cls in _PREFILL_ROWS:
+        ms = p.ms_per_step[cls]
+        yield Row(_SECTION, f"{name}: {cls}", ms, "ms/step",
+                  note=f"{ms / profiled:.0%} of the profiled step; {p.calls_per_step[cls]:.0f} operator calls per step")
+    rest = [c for c in CLASSES if c not in _PREFILL_ROWS]
+    ms = sum(p.ms_per_step[c] for c in rest)
+    yield Row(_SECTION, f"{name}: the rest (bookkeeping, other operators, Python)", ms, "ms/step",
+              note=f"{ms / profiled:.0%} of the profiled step: "
+                   + "; ".join(f"{c} {p.ms_per_step[c]:,.1f} ms" for c in rest))
+    products_ms = p.ms_per_step["matrix products"]
+    yield Row(_SECTION, f"{name}: matrix products / their FLOP floor", products_ms / (p.floor_s * 1e3), "x",
+              note=f"{p.matrix_flops / 1e9:,.1f} GFLOP per step at the bf16 compute roof {roof / 1e9:,.0f} GFLOP/s "
+                   f"(an n x n product, the same threads): {p.floor_s * 1e3:,.1f} ms")

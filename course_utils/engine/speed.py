@@ -18,7 +18,9 @@ the time of each operator the runner calls summed into a few classes (matrix pro
 cache's reads and writes, element-wise arithmetic, tensor bookkeeping, the rest), and the time left between
 them (Python). The profiler adds a little time to every
 operator it records, most to the cheapest ones; the profile says how much the profiled step took next to the
-unprofiled one.
+unprofiled one. :func:`profile_prefill` does the same for the steps that feed prompt tokens (whole prefills or,
+with chunked prefill, the prompt's chunks), with the FLOPs of each step's matrix products and, given the
+machine's compute roof, the time they would take at it.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ import torch
 
 from ..evaluate import mean_and_se, token_stats
 from ..measure import release_memory
-from ..validation import check_positive_int
+from ..validation import check_finite, check_positive_int
 from .engine import LLMEngine
 from .model_runner import RunnerWeights
 from .packed import UpcastLinear, linear
@@ -325,7 +327,7 @@ def measure_paths(model, paths=PATHS, **kw) -> list[PathFigures]:
 
 @dataclass
 class StepProfile:
-    """Where a decode step's time went, by operator class (:data:`OP_CLASSES`)."""
+    """Where a decode step's (or a prefill step's) time went, by operator class (:data:`OP_CLASSES`)."""
 
     label: str
     ms_per_step: dict             # class -> milliseconds of operators' own time per step
@@ -333,6 +335,9 @@ class StepProfile:
     profiled_step_s: float        # the median step while the profiler recorded
     step_s: float                 # the median step without it, just before
     steps: int
+    prompt_tokens: float = 0.0    # prompt tokens a profiled step fed, on average (:func:`profile_prefill`)
+    matrix_flops: float = 0.0     # FLOPs of a profiled step's matrix products, on average (:func:`profile_prefill`)
+    floor_s: float | None = None  # those FLOPs at the compute roof given to :func:`profile_prefill`
 
     @property
     def total_ms(self) -> float:
@@ -363,11 +368,38 @@ def profile_decode(engine: LLMEngine, prompts: list, new_tokens: int, *, label: 
     what it calls in turn) by class, in milliseconds and calls per decode step, and what is left of each step's
     time between those operators (:data:`PYTHON`). Each step is recorded as a range of its own; the prefill
     steps are left out."""
-    from torch.profiler import ProfilerActivity, profile, record_function
     check_positive_int("new_tokens", new_tokens)
     if new_tokens < 2:
         raise ValueError("new_tokens must be at least 2 (the first token comes from the prefill step)")
     plain = statistics.median(decode_steps(engine, prompts, new_tokens))
+    steps, profiled_steps, ms, calls = _profiled(engine, "decode step", lambda: decode_steps(engine, prompts,
+                                                                                              new_tokens))
+    return StepProfile(label, ms, calls, statistics.median(steps), plain, profiled_steps)
+
+
+def _profiled(engine: LLMEngine, step: str, run):
+    """``run()`` under the profiler, each runner step a range of its own (:func:`_recording_steps`): (what ``run``
+    returned, the profiled steps named ``step``, ms per step by class with :data:`PYTHON` the time left between
+    the operators, calls per step by class)."""
+    from torch.profiler import ProfilerActivity, profile
+    _recording_steps(engine)
+    try:
+        with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = run()
+    finally:
+        del engine.runner.run
+    profiled_steps, step_ms, ms, calls = _by_class(prof.events(), step)
+    del prof
+    release_memory()                      # the profiler's records are many small buffers: hand them back
+    ms[PYTHON] = max(0.0, step_ms - sum(ms.values()))
+    n = max(profiled_steps, 1)
+    return out, profiled_steps, {k: v / n for k, v in ms.items()}, {k: v / n for k, v in calls.items()}
+
+
+def _recording_steps(engine: LLMEngine):
+    """Wrap the engine's runner so that each step is a profiler range of its own: ``"prefill step"`` where it feeds
+    prompt tokens, else ``"decode step"``; ``del engine.runner.run`` takes the wrapper off."""
+    from torch.profiler import record_function
     run = engine.runner.run
 
     def recorded(seqs):
@@ -375,18 +407,50 @@ def profile_decode(engine: LLMEngine, prompts: list, new_tokens: int, *, label: 
             return run(seqs)
 
     engine.runner.run = recorded
-    try:
-        with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU]) as prof:
-            steps = decode_steps(engine, prompts, new_tokens)
-    finally:
-        del engine.runner.run
-    profiled_steps, decode_ms, ms, calls = _by_class(prof.events())
-    del prof
-    release_memory()                      # the profiler's records are many small buffers: hand them back
-    ms[PYTHON] = max(0.0, decode_ms - sum(ms.values()))
-    n = max(profiled_steps, 1)
-    return StepProfile(label, {k: v / n for k, v in ms.items()}, {k: v / n for k, v in calls.items()},
-                       statistics.median(steps), plain, profiled_steps)
+
+
+def prefill_steps(engine: LLMEngine, prompts: list) -> list:
+    """Run the requests to their first token (the prefill alone); the engine's records of the steps that fed
+    prompt tokens (:class:`~.engine.StepRecord`). A prompt the engine refuses raises its ``ValueError``."""
+    first = len(engine.steps)
+    for r in engine.generate(prompts, 1, ignore_eos=True):
+        if r.finish_reason == "error":
+            raise ValueError(f"the engine refused a prompt: {r.error}")
+    return [s for s in engine.steps[first:] if s.num_prefill_tokens > 0]
+
+
+def step_matrix_flops(runner, num_tokens: int, num_seqs: int) -> float:
+    """FLOPs of one step's matrix products: 2 x tokens x weights of every layer's matrices, and 2 x sequences x
+    weights of the LM head (it multiplies each sequence's last new token only)."""
+    *layers, head = runner.step_matrices()
+    return 2.0 * (num_tokens * sum(m.shape[0] * m.shape[1] for m in layers) + num_seqs * head.shape[0] * head.shape[1])
+
+
+def profile_prefill(engine: LLMEngine, prompts: list, *, label: str = "",
+                    roof_flops: float | None = None) -> StepProfile:
+    """Profile the steps that feed ``prompts``' tokens (whole prefills, or with chunked prefill each chunk of a
+    prompt) as :func:`profile_decode` profiles decode steps: each operator the runner calls by class, in
+    milliseconds and calls per step, averaged over the steps, and the time left between them (:data:`PYTHON`).
+    The prompts run three times, each to its first token: once to warm their shapes up, once for the unprofiled
+    median step, once under the profiler. The engine needs prefix caching off (else the later runs would find
+    the prompts cached) and its step history on. ``roof_flops``: the machine's compute roof (FLOP/s, e.g.
+    :func:`~course_utils.measure.compute_roof_flops` in the weights' dtype); given, ``floor_s`` is the time the
+    steps' matrix products would take at it."""
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {prompts!r:.80}")
+    if engine.block_manager.prefix_caching:
+        raise ValueError("profile_prefill runs the prompts three times: it needs an engine with prefix_caching=False")
+    if not engine.keep_history:
+        raise ValueError("profile_prefill reads the engine's step records: it needs an engine with keep_history=True")
+    if roof_flops is not None:
+        check_finite("roof_flops", roof_flops, minimum=0.0, strict=True)
+    prefill_steps(engine, prompts)                          # every shape once, unclocked
+    plain = statistics.median(s.end_s - s.start_s for s in prefill_steps(engine, prompts))
+    steps, profiled_steps, ms, calls = _profiled(engine, "prefill step", lambda: prefill_steps(engine, prompts))
+    flops = statistics.mean(step_matrix_flops(engine.runner, s.num_tokens, s.num_seqs) for s in steps)
+    return StepProfile(label, ms, calls, statistics.median(s.end_s - s.start_s for s in steps), plain, profiled_steps,
+                       prompt_tokens=statistics.mean(s.num_prefill_tokens for s in steps), matrix_flops=flops,
+                       floor_s=None if roof_flops is None else flops / roof_flops)
 
 
 def _is_wrapper(name: str) -> bool:
@@ -395,17 +459,17 @@ def _is_wrapper(name: str) -> bool:
                             "AOTDispatcher", "Pregraph bytecode", "CompiledFunction"))
 
 
-def _by_class(events) -> tuple[int, float, dict, dict]:
-    """(decode steps, their milliseconds, ms by class, calls by class) of a profile: the operators each decode
-    step's range holds directly, each with everything it calls."""
-    decode = [e for e in events if e.name == "decode step"]
+def _by_class(events, step: str) -> tuple[int, float, dict, dict]:
+    """(steps, their milliseconds, ms by class, calls by class) of a profile: the operators each range named
+    ``step`` (``"decode step"``, ``"prefill step"``) holds directly, each with everything it calls."""
+    decode = [e for e in events if e.name == step]
     ms = {cls: 0.0 for cls in CLASSES}
     calls = dict.fromkeys(ms, 0)
     for event in events:
         parent = event.cpu_parent
         while parent is not None and _is_wrapper(parent.name):      # a compiled region's operators count as the step's
             parent = parent.cpu_parent
-        if parent is None or parent.name != "decode step":
+        if parent is None or parent.name != step:
             continue
         if _is_wrapper(event.name):
             ms[COMPILED] += event.self_cpu_time_total / 1e3
