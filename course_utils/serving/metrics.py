@@ -213,6 +213,28 @@ class Stalls:
         """How many answers waited in the step with the longest gap (0 without long gaps)."""
         return len(max(self.steps, key=max, default=()))
 
+    @property
+    def excess_s(self) -> float:
+        """The time the answers spent in long gaps beyond a median gap each (a long gap holds a decode step too)."""
+        return float(sum(g - self.median_gap_s for _, g in self.gaps))
+
+    @property
+    def windows(self) -> tuple[tuple[float, float], ...]:
+        """Each stalled step's stall as ``(start_s, end_s)``: ``end_s`` the last end of the gaps that ended with it,
+        ``start_s`` that end less the longest of those gaps."""
+        out, i = [], 0
+        for group in self.steps:
+            ends = self.gaps[i:i + len(group)]
+            i += len(group)
+            out.append((max(e for e, _ in ends) - max(group), max(e for e, _ in ends)))
+        return tuple(out)
+
+    def step_of(self, t: float) -> int | None:
+        """The index of the stalled step whose stall holds the time ``t`` (s after the run started), or None; a time up
+        to half the threshold after a stall's end still belongs to it (the grouping's tolerance: the answers of one
+        step see it end a few ms apart)."""
+        return next((k for k, (a, b) in enumerate(self.windows) if a <= t <= b + self.threshold_s / 2), None)
+
 
 def stalls(records: Sequence[RequestRecord], factor: float = 5.0) -> Stalls:
     """The gaps of the successful ``records`` (one server's run) longer than ``factor`` times the median gap, grouped
