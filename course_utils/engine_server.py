@@ -49,6 +49,8 @@ from .validation import check_positive_int
 
 MAX_BODY_BYTES = 8 * 2**20
 MAX_HEAD_BYTES = 16 * 2**10
+HEAD_BUFFER_BYTES = 2**20     # a head up to this size is read whole, so that one over MAX_HEAD_BYTES gets 431 from
+                              # _Limits; h11's own 16 KiB limit would answer 400 or 431 by how the bytes arrived
 HEAD_TIMEOUT_S = 10.0        # a connection that has not sent a whole request head by then is closed
 
 
@@ -408,7 +410,8 @@ class EngineServer:
         self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
         app = _Admission(_Limits(self.app, MAX_BODY_BYTES), self.max_connections, self.open_connections)
         config = uvicorn.Config(app, host=host, port=port, http=_Protocol, lifespan="off", log_config=None,
-                                access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=1)
+                                access_log=False, timeout_keep_alive=5, timeout_graceful_shutdown=1,
+                                h11_max_incomplete_event_size=HEAD_BUFFER_BYTES)
         self._uvicorn = uvicorn.Server(config)
         engine_task = asyncio.create_task(self._engine_loop())
         http_task = asyncio.create_task(self._uvicorn.serve())

@@ -281,3 +281,29 @@ def test_at_its_connection_cap_the_server_answers_a_json_503_and_serves_again_be
                                        "type": "ServiceUnavailable", "param": None, "code": 503}
     assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 2
     assert engine.block_manager.num_free_blocks == 32
+
+
+def test_a_large_header_is_431_however_its_bytes_arrive(small_server):
+    """A head over MAX_HEAD_BYTES is refused with 431 whether it arrives in one write or in small pieces (h11 alone
+    answers 400 once an incomplete head passes its own 16 KiB buffer: the answer would depend on the network)."""
+    import asyncio
+    from urllib.parse import urlsplit
+
+    from course_utils.serving.probe import parse_raw_answer
+    server = small_server[0]
+    host, port = urlsplit(server.url).hostname, urlsplit(server.url).port
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n"
+
+    async def exchange(pieces):
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            for k in range(0, len(head), len(head) // pieces + 1):
+                writer.write(head[k:k + len(head) // pieces + 1])
+                await writer.drain()
+                await asyncio.sleep(0.005 if pieces > 1 else 0)
+            return await asyncio.wait_for(reader.read(65536), 5.0)
+        finally:
+            writer.close()
+    for pieces in (1, 70):
+        answer = parse_raw_answer(asyncio.run(exchange(pieces)), False, 5.0)
+        assert answer.status == 431 and "headers" in answer.message, (pieces, answer)

@@ -402,6 +402,7 @@ def vllm_server(tmp_path_factory):
     assert all(_gone(pid) for pid in pids), "a vLLM process outlived stop()"
 
 
+@pytest.mark.notebooks          # a minute with vLLM's start: it runs with the chapters, beside chapter 11's own live check
 def test_the_client_agrees_with_vllm_bench_serve_live_check(vllm_server, tmp_path):
     """``vllm bench serve`` and the course client on the same requests (a skewed trace's token ids, from a trace
     file, no initial test request), one at a time, in turns (course, vLLM, vLLM, course), each client in a process

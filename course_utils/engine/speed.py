@@ -409,7 +409,7 @@ def _recording_steps(engine: LLMEngine):
     engine.runner.run = recorded
 
 
-def prefill_steps(engine: LLMEngine, prompts: list) -> list:
+def prefill_step_records(engine: LLMEngine, prompts: list) -> list:
     """Run the requests to their first token (the prefill alone); the engine's records of the steps that fed
     prompt tokens (:class:`~.engine.StepRecord`). A prompt the engine refuses raises its ``ValueError``."""
     first = len(engine.steps)
@@ -444,9 +444,9 @@ def profile_prefill(engine: LLMEngine, prompts: list, *, label: str = "",
         raise ValueError("profile_prefill reads the engine's step records: it needs an engine with keep_history=True")
     if roof_flops is not None:
         check_finite("roof_flops", roof_flops, minimum=0.0, strict=True)
-    prefill_steps(engine, prompts)                          # every shape once, unclocked
-    plain = statistics.median(s.end_s - s.start_s for s in prefill_steps(engine, prompts))
-    steps, profiled_steps, ms, calls = _profiled(engine, "prefill step", lambda: prefill_steps(engine, prompts))
+    prefill_step_records(engine, prompts)                          # every shape once, unclocked
+    plain = statistics.median(s.end_s - s.start_s for s in prefill_step_records(engine, prompts))
+    steps, profiled_steps, ms, calls = _profiled(engine, "prefill step", lambda: prefill_step_records(engine, prompts))
     flops = statistics.mean(step_matrix_flops(engine.runner, s.num_tokens, s.num_seqs) for s in steps)
     return StepProfile(label, ms, calls, statistics.median(s.end_s - s.start_s for s in steps), plain, profiled_steps,
                        prompt_tokens=statistics.mean(s.num_prefill_tokens for s in steps), matrix_flops=flops,
