@@ -2,7 +2,8 @@
 and each chapter's second run (other architecture, reduced sizes, its solutions appended), executed at most once
 per test run.
 
-Every test that executes a chapter carries the ``notebooks`` marker, so ``-m "not notebooks"`` is the quick loop.
+Every test that executes a chapter carries the ``notebooks`` marker, and so does the live check that starts vLLM's
+server as chapter 11 does, so ``-m "not notebooks"`` is the quick loop.
 """
 from __future__ import annotations
 
