@@ -128,7 +128,7 @@ def test_long_gaps_are_counted_summed_and_grouped_by_the_step_they_ended_with():
     assert st.count == 5 and st.total_s == pytest.approx(1.0 + 1.0505 + 0.6 + 0.8 + 0.8002)
     assert [len(s) for s in st.steps] == [2, 1, 2]
     assert st.step_s == pytest.approx((1.0505, 0.6, 0.8002))
-    assert st.waiting_in_longest == 2
+    assert st.waiting_in_longest == 2 and st.longest_step == 0
     assert [round(t, 4) for t, _ in st.gaps] == [1.5, 1.5005, 2.2, 3.0, 3.0002]
     assert st.excess_s == pytest.approx(st.total_s - 5 * 0.1, abs=1e-5)     # beyond one decode gap each
     assert [x for w in st.windows for x in w] == pytest.approx([0.45, 1.5005, 1.6, 2.2, 2.2, 3.0002])
@@ -136,7 +136,7 @@ def test_long_gaps_are_counted_summed_and_grouped_by_the_step_they_ended_with():
     assert (st.step_of(1.0), st.step_of(2.0), st.step_of(2.9), st.step_of(0.2), st.step_of(0.44)) == (0, 1, 2, None,
                                                                                                        None)
     none = stalls(_stalled_records(), factor=20)
-    assert (none.count, none.total_s, none.steps, none.waiting_in_longest) == (0, 0.0, (), 0)
+    assert (none.count, none.total_s, none.steps, none.waiting_in_longest, none.longest_step) == (0, 0.0, (), 0, None)
     assert stalls([]).count == 0
 
 

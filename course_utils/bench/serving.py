@@ -56,14 +56,13 @@ def _long_prompts_vs_vllm(ctx):
     if ctx.reduced:           # vLLM's start-up takes minutes: left to the full run; a tiny chunk step profiled
         yield from _prefill_profile(ctx, fastest_exact_bf16(available_paths(ctx.device)), _served_threads())
         return
-    import statistics
     import tempfile
     from pathlib import Path
 
     from .. import vllm_env
     from ..engine_server import start_engine_server
     from ..models import resolve_model_source
-    from ..serving import long_prompt_trace, split_by_prompt, summarize
+    from ..serving import Spread, long_prompt_trace, split_by_prompt, spread, summarize
 
     support = vllm_env.vllm_available(ctx.device)
     if not support:
@@ -108,10 +107,8 @@ def _long_prompts_vs_vllm(ctx):
         block("course engine", engine.base_url)
     finally:
         engine.stop()
-    med = {name: {k: statistics.median(f[k] for f in runs) for k in runs[0]} for name, runs in figures.items()}
-    rng = {name: {k: (min(f[k] for f in runs), max(f[k] for f in runs)) for k in runs[0]}
-           for name, runs in figures.items()}
-    e, v = med["course engine"], med["vLLM"]
+    spreads = {name: {k: spread([f[k] for f in runs]) for k in runs[0]} for name, runs in figures.items()}
+    e, v = ({k: x.median for k, x in spreads[name].items()} for name in ("course engine", "vLLM"))
     where = (f"{len(trace)} requests at 4 req/s, {len(lengths)} long prompts ({', '.join(map(str, lengths))} tokens, "
              f"8 tokens out) among {len(trace) - len(lengths)} short ones (16-64 tokens, 24 out); both servers chunked "
              f"with a {LONG_BUDGET}-token step budget, {slots} slots, {threads} compute thread"
@@ -119,8 +116,8 @@ def _long_prompts_vs_vllm(ctx):
              "vLLM stopped during the engine's; medians of 4 runs per server")
 
     def span(name, k, scale=1e3, spec=",.0f"):
-        lo, hi = rng[name][k]
-        return f"{med[name][k] * scale:{spec}} ({lo * scale:{spec}}-{hi * scale:{spec}})"
+        x = spreads[name][k]
+        return Spread(x.median * scale, x.low * scale, x.high * scale).fmt(spec)
 
     met = e["tps"] / v["tps"] >= 1.0, e["ttft"] / v["ttft"] <= 1.0
     yield Row(_SECTION, "long prompts, bf16, chunked: engine / vLLM output throughput", e["tps"] / v["tps"], "x",

@@ -209,9 +209,14 @@ class Stalls:
         return tuple(max(s) for s in self.steps)
 
     @property
+    def longest_step(self) -> int | None:
+        """The index of the stalled step with the longest gap (None without long gaps)."""
+        return max(range(len(self.steps)), key=lambda k: max(self.steps[k]), default=None)
+
+    @property
     def waiting_in_longest(self) -> int:
         """How many answers waited in the step with the longest gap (0 without long gaps)."""
-        return len(max(self.steps, key=max, default=()))
+        return 0 if self.longest_step is None else len(self.steps[self.longest_step])
 
     @property
     def excess_s(self) -> float:
