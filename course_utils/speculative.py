@@ -449,7 +449,9 @@ def next_next_data(model, token_ids: torch.Tensor, *, chunk_tokens: int = 256, p
         ids = token_ids[:, s:s + chunk_tokens].to(model.device)
         if ids.shape[1] < 3:
             continue
-        h = model(ids, output_hidden_states=True, use_cache=False).hidden_states[-1][0]
+        # only the last hidden states are kept: the LM head runs on one position (logits_to_keep=1), not on every
+        # position of the chunk; the hidden states are the same, bit for bit
+        h = model(ids, output_hidden_states=True, use_cache=False, logits_to_keep=1).hidden_states[-1][0]
         hidden.append(h[:-2].float().cpu())
         labels.append(ids[0, 2:].cpu())
     return torch.cat(hidden), torch.cat(labels)

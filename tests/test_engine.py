@@ -428,6 +428,36 @@ def test_the_upcast_product_is_the_bf16_product_summed_in_float32(monkeypatch):
     assert ((torch.nn.functional.linear(x, w).double() - sliced.double()).abs() <= 2 * ulp).all()
 
 
+def test_bf16_products_in_float32_switches_a_transformers_models_many_row_products_and_back(tiny_qwen2, monkeypatch):
+    """``bf16_products_in_float32``: inside the block a bfloat16 model's products of 8 rows or more go through
+    ``upcast_product`` (biases added; one-row products do not), the logits are the model's own up to the order of
+    the sums, and the layers are their own again after it; on a CPU with bfloat16 kernels it does nothing."""
+    import copy
+
+    from course_utils.engine import packed
+    model = copy.deepcopy(tiny_qwen2).to(torch.bfloat16).requires_grad_(False)   # qwen2: q, k, v have biases
+    ids = torch.arange(3, 30)[None]
+    want = model(ids).logits.float()
+    calls = []
+    real = packed.upcast_product
+    monkeypatch.setattr(packed, "upcast_product", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+    with packed.bf16_products_in_float32(model, force=True) as on:
+        got = model(ids).logits.float()
+        assert on and calls and set(calls) == {ids.shape[1]}
+        calls.clear()
+        model(ids[:, :1])                                          # one row: PyTorch's own product
+        assert calls == []
+    assert (got - want).abs().max() <= 0.02 * want.abs().max()
+    assert torch.equal(model(ids).logits.float(), want) and calls == []     # its own layers again
+    with packed.bf16_products_in_float32(model, force=False) as on:
+        assert not on
+    monkeypatch.setattr(packed, "bf16_products_are_slow", lambda device="cpu": False)
+    with packed.bf16_products_in_float32(model) as on:
+        assert not on and torch.equal(model(ids).logits.float(), want)
+    with packed.bf16_products_in_float32(tiny_qwen2, force=True) as on:     # a float32 model: nothing to switch
+        assert not on
+
+
 def test_the_upcast_path_keeps_the_bf16_weights_and_multiplies_batches_in_float32(tiny_model, monkeypatch):
     """``pack="upcast"``: the same bfloat16 matrices; a prefill's products go through ``upcast_product`` (a
     one-row decode step's do not), and its logits are the dense bfloat16 path's up to the order of the sums."""

@@ -122,6 +122,17 @@ def test_next_next_head_learns_a_copyable_pattern():
     assert torch.equal(untrained(hidden).argmax(-1), (hidden @ lm.T).argmax(-1))   # starts as the LM head itself
 
 
+def test_next_next_data_pairs_each_final_hidden_state_with_the_token_two_ahead(target):
+    """The pairs come from the model's own final hidden states (its LM head runs on one position only, which
+    must not change them) and the token two positions later; each chunk loses its last two positions."""
+    ids = torch.arange(1, 23)[None] % 128
+    hidden, labels = S.next_next_data(target, ids, chunk_tokens=10)
+    full = torch.cat([target(ids[:, s:s + 10], output_hidden_states=True, use_cache=False).hidden_states[-1][0][:-2]
+                      for s in (0, 10, 20)])
+    assert torch.equal(hidden, full)
+    assert torch.equal(labels, torch.cat([ids[0, s + 2:s + 10] for s in (0, 10, 20)]))
+
+
 def test_head_guess_runs_as_a_proposer(target):
     head = S.NextNextHead(target.lm_head.weight)
     prompt = [5, 9, 2, 44, 7]

@@ -34,6 +34,7 @@ gate/up before packing changes nothing: both quantizers work row by row.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -246,3 +247,39 @@ def add_linear(h: torch.Tensor, x: torch.Tensor, w, b: torch.Tensor | None) -> t
     if isinstance(w, (PackedLinear, PrepackedLinear, UpcastLinear)) or b is not None:
         return h + linear(x, w, b)
     return torch.addmm(h, x, w.t())
+
+
+@contextlib.contextmanager
+def bf16_products_in_float32(model, *, force: bool | None = None):
+    """Within the block, the ``nn.Linear`` layers of a transformers ``model`` held in bfloat16 compute their
+    products of :data:`UPCAST_MIN_ROWS` rows or more as the ``"upcast"`` path does (:func:`upcast_product`) --
+    only where :func:`bf16_products_are_slow` on the model's device (``force``: True or False to decide here).
+
+    For *quality* measurements of a bfloat16 model (a prefill over a text, a batch of answers): on a CPU without
+    bfloat16 kernels PyTorch's own product of many rows is a portable loop several times slower, and the upcast
+    product is the same arithmetic (bfloat16 numbers, sums in float32, the result rounded to bfloat16) in
+    another order of the sums. Not for timing a bfloat16 model: that would time another kernel. A product that
+    needs gradients keeps PyTorch's. Yields whether the products were switched."""
+    switch = bf16_products_are_slow(model.device) if force is None else bool(force)
+    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.bfloat16]
+    if not switch or not layers:
+        yield False
+        return
+
+    def forward(layer, x):
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] < UPCAST_MIN_ROWS or x.dtype != torch.bfloat16 or (
+                torch.is_grad_enabled() and (x.requires_grad or layer.weight.requires_grad)):
+            return F.linear(x, layer.weight, layer.bias)          # (the upcast product keeps no gradients)
+        y = upcast_product(rows, layer.weight)
+        if layer.bias is not None:
+            y = y + layer.bias
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    for layer in layers:
+        layer.forward = forward.__get__(layer)
+    try:
+        yield True
+    finally:
+        for layer in layers:
+            del layer.forward
