@@ -15,7 +15,7 @@ import pytest
 from course_utils import vllm_env
 from course_utils.serving import (
     GROWTH_LIMIT, RatePoint, ReplayResult, RequestRecord, RequestTimes, agreement, baseline_growth, capacity_per_s,
-    served_knee, make_trace, queueing, rate_sweep_figure, replay, slo_from_solo, spread, sweep_queueing, sweep_rates,
+    served_knee, make_trace, queueing, rate_sweep_figure, replay, slo_from_solo, spread, sweep_queueing,
     times_from_bench, times_from_records, ttft_by_index_figure, ttft_growth,
 )
 
@@ -120,18 +120,6 @@ def test_capacity_slo_and_spread_and_their_bad_input():
     assert (s.median, s.low, s.high) == (2.0, 1.0, 3.0) and s.fmt(".1f", " ms") == "2.0 ms (1.0–3.0)"
     for bad in (lambda: capacity_per_s(0.0, 8, 16), lambda: capacity_per_s(0.1, 0, 16), lambda: capacity_per_s(0.1, 8, 16, -1.0),
                 lambda: slo_from_solo(-1, 0.05, ttft_factor=4, tpot_factor=2), lambda: spread([])):
-        with pytest.raises(ValueError):
-            bad()
-
-
-def test_sweep_rates_offer_the_common_rate_in_place_of_a_multiple_within_merge_within_of_it():
-    # chapter 11's case: vLLM's capacity 8.24 req/s, the engine's 4.68; 0.5 x 8.24 = 4.12 lies 12 % below 4.68
-    assert sweep_rates(8.24, [0.5, 0.75, 1.0, 1.25], also=[4.68]) == [4.68, 6.18, 8.24, 10.3]
-    assert sweep_rates(4.68, [0.5, 0.75, 1.0, 1.25], also=[4.68]) == [2.34, 3.51, 4.68, 5.85]   # the same rate: one
-    assert sweep_rates(8.24, [0.5, 1.0], also=[4.68], merge_within=0.1) == [4.12, 4.68, 8.24]   # 12 % apart: both
-    assert sweep_rates(2.0, [0.5, 1.0]) == [1.0, 2.0]
-    for bad in (lambda: sweep_rates(0.0, [1.0]), lambda: sweep_rates(2.0, []), lambda: sweep_rates(2.0, [0.0]),
-                lambda: sweep_rates(2.0, [1.0], also=[-1.0]), lambda: sweep_rates(2.0, [1.0], merge_within=-0.1)):
         with pytest.raises(ValueError):
             bad()
 

@@ -55,8 +55,8 @@ from .client import (
     replay_in_process, run_sync,
 )
 from .load import (
-    GROWTH_LIMIT, MERGE_WITHIN, Knee, Queueing, RatePoint, Spread, baseline_growth, by_rate, capacity_per_s, served_knee,
-    goodput_figure, queueing, slo_from_solo, spread, rate_sweep_figure, sweep_queueing, sweep_rates, ttft_by_index_figure,
+    GROWTH_LIMIT, Knee, Queueing, RatePoint, Spread, baseline_growth, by_rate, capacity_per_s, served_knee,
+    goodput_figure, queueing, slo_from_solo, spread, rate_sweep_figure, sweep_queueing, ttft_by_index_figure,
     ttft_growth,
 )
 from .live import ClientAgreement, RequestTimes, agreement, machine_busy, times_from_bench, times_from_records
@@ -64,7 +64,7 @@ from .processes import ServerProcess, die_with_parent, free_port, stop_all_serve
 from .figures import latency_cdf_figure, stall_figure, timeline_figure
 
 __all__ = [
-    'ARRIVAL_PROCESSES', 'ClientAgreement', 'Distribution', 'GROWTH_LIMIT', 'Knee', 'MERGE_WITHIN', 'MS_PER_S', 'PERCENTILES',
+    'ARRIVAL_PROCESSES', 'ClientAgreement', 'Distribution', 'GROWTH_LIMIT', 'Knee', 'MS_PER_S', 'PERCENTILES',
     'Queueing', 'RatePoint', 'ReplayError', 'ReplayResult', 'RequestMetrics', 'RequestRecord', 'RequestTimes',
     'SLO', 'ServerProcess', 'Stalls', 'ServerUnreachable', 'ServingSummary', 'Spread', 'Trace', 'TraceRequest',
     'agreement', 'arrival_times_s', 'baseline_growth', 'by_rate', 'capacity_per_s', 'check_server', 'completion_payload',
@@ -73,5 +73,5 @@ __all__ = [
     'make_trace', 'meets_slo', 'queueing', 'replay', 'replay_async', 'replay_in_process', 'request_metrics',
     'run_sync', 'skewed_trace', 'slo_from_solo', 'split_by_prompt', 'spread', 'stall_figure', 'stalls', 'stop_all_servers',
     'summarize', 'rate_sweep_figure',
-    'sweep_queueing', 'sweep_rates', 'timeline_figure', 'ttft_by_index_figure', 'ttft_growth', 'times_from_bench', 'times_from_records',
+    'sweep_queueing', 'timeline_figure', 'ttft_by_index_figure', 'ttft_growth', 'times_from_bench', 'times_from_records',
 ]

@@ -3,8 +3,6 @@ queueing read from the time to first token across a run, and the knee.
 
 * :func:`capacity_per_s`: an estimate of the request rate a server can sustain, from its decode step with
   ``slots`` answers in flight and the time a prompt's prefill takes: the sweep's rates are multiples of it.
-  :func:`sweep_rates` lists them, with the rates every server is offered (one of them standing in for a multiple
-  within :data:`MERGE_WITHIN` of it).
 * :func:`ttft_growth`: one run's median TTFT of the last third of its requests over that of the first third. A
   server that keeps up answers the last requests about as fast as the first ones; one that does not makes each
   later request wait behind the earlier ones. But the ratio also carries the trace's own shape (a burst of
@@ -55,27 +53,6 @@ def capacity_per_s(batch_tpot_s: float, slots: int, mean_output_tokens: float, p
     check_finite("mean_output_tokens", mean_output_tokens, minimum=0.0, strict=True)
     check_finite("prefill_s", prefill_s, minimum=0.0)
     return 1.0 / (prefill_s + mean_output_tokens * batch_tpot_s / slots)
-
-
-#: :func:`sweep_rates` lets a rate that must be offered stand in for a sweep's rate this close to it (relative): the
-#: sweep's own factors are a quarter of the capacity apart, so two rates closer than this measure about the same load.
-MERGE_WITHIN = 0.15
-
-
-def sweep_rates(capacity: float, factors: Sequence[float], *, also: Sequence[float] = (),
-                merge_within: float = MERGE_WITHIN) -> list[float]:
-    """The rates (requests/s, rounded to 3 decimals, increasing) one server's sweep offers: ``factors`` times its
-    ``capacity``, and the rates in ``also`` (offered to every server, so that servers can be compared at one load).
-    A factor's rate within ``merge_within`` (relative) of a rate in ``also`` is not offered besides it: that rate
-    stands in for it, one run instead of two at nearly the same load."""
-    check_finite("capacity", capacity, minimum=0.0, strict=True)
-    check_finite("merge_within", merge_within, minimum=0.0)
-    if not factors or any(not np.isfinite(f) or f <= 0 for f in factors):
-        raise ValueError(f"factors must be positive multiples of the capacity, got {list(factors)}")
-    fixed = [round(check_finite("rate", r, minimum=0.0, strict=True), 3) for r in also]
-    own = [round(f * capacity, 3) for f in factors]
-    kept = [r for r in own if not any(abs(r - a) <= merge_within * a for a in fixed)]
-    return sorted(set(kept) | set(fixed))
 
 
 def slo_from_solo(solo_ttft_s: float, solo_tpot_s: float, *, ttft_factor: float, tpot_factor: float) -> SLO:
