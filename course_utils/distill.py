@@ -524,7 +524,10 @@ def train_student(student, data: DistillData, *, loss: str, steps: int, batch_si
     _check_head_split(student, data)
     torch.manual_seed(seed)
     batches = batch_order(data.n_windows, steps, batch_size, seed)
-    opt = torch.optim.Adam(params, lr=lr, foreach=False)      # one tensor at a time: no optimizer-wide temporaries
+    # one fused kernel per tensor, in place (CPU and CUDA have it): no optimizer-wide temporaries, and a step ~0.02 s
+    # quicker than one tensor at a time with separate operations (foreach=False, the fallback elsewhere)
+    fused = all(p.device.type in ("cpu", "cuda") for p in params)
+    opt = torch.optim.Adam(params, lr=lr, fused=True) if fused else torch.optim.Adam(params, lr=lr, foreach=False)
     results, losses, eval_s = {}, [], 0.0
     t0 = time.perf_counter()
 
@@ -533,8 +536,8 @@ def train_student(student, data: DistillData, *, loss: str, steps: int, batch_si
         if evaluate is not None and step in points:
             t1 = time.perf_counter()
             student.eval()
-            with torch.no_grad():
-                results[step] = evaluate(student)
+            with torch.no_grad(), parametrize.cached():   # a quantization-aware student rounds its weights once per
+                results[step] = evaluate(student)           # evaluation, not once per forward pass (the same values)
             eval_s += time.perf_counter() - t1
 
     checkpoint(0)

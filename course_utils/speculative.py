@@ -338,7 +338,7 @@ class NgramLookup(Proposer):
 
     The rule of transformers' ``prompt_lookup_num_tokens`` (``PromptLookupCandidateGenerator``): try n-grams
     from ``max_ngram`` down to 1; take the first (leftmost) earlier occurrence that has a continuation; propose
-    up to k tokens of it. No model at all: it pays wherever the output copies its input.
+    up to k tokens of it. No model at all: it can pay where the output copies its input.
     """
 
     def __init__(self, max_ngram: int = 2, *, name: str = "n-gram lookup"):

@@ -98,6 +98,23 @@ def test_token_stats_on_a_hand_computed_example():
     assert s["same_top"].tolist() == [False, True]
 
 
+def test_token_stats_and_log_softmax_do_not_depend_on_their_block_of_rows():
+    """Both work a block of rows at a time: a row's figures are the same whatever the block (and a last, partial
+    block is handled), and the in-place log-softmax is torch's."""
+    g = torch.Generator().manual_seed(0)
+    logits_p, logits_q = torch.randn(37, 500, generator=g) * 4, torch.randn(37, 500, generator=g) * 4
+    targets = torch.randint(0, 500, (37,), generator=g)
+    p = E._log_softmax_(logits_p.clone())
+    assert torch.allclose(p, torch.log_softmax(logits_p, -1), atol=1e-6)
+    for rows in (1, 5, 64):
+        assert torch.equal(E._log_softmax_(logits_p.clone(), block_rows=rows), p)
+    q = torch.log_softmax(logits_q, -1)
+    want = E.token_stats(p, q, targets, block_rows=37)
+    for rows in (1, 16, 64):
+        got = E.token_stats(p, q, targets, block_rows=rows)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_token_stats_reject_mismatched_vocabularies():
     with pytest.raises(ValueError, match="vocabular"):
         E.token_stats(torch.zeros(2, 5), torch.zeros(2, 6), torch.tensor([0, 1]))
