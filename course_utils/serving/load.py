@@ -9,7 +9,8 @@ queueing read from the time to first token across a run, and the knee.
   arrivals, or long prompts, in one third), at every rate.
 * :func:`queueing`: one run's verdict, relative to the same trace at the lowest rate offered: the run queued
   when its growth is at least ``growth_limit`` times the median growth of the lowest rate's repeats (a ratio of
-  ratios, in which the trace's shape cancels). The drain after the last arrival is reported beside it.
+  ratios, in which the trace's shape largely cancels; the repeats' own noise does not). The drain after the last
+  arrival is reported beside it.
 * :func:`served_knee`: over repeated runs at several rates, the highest rate at which no repeat queued and
   the lowest at which every repeat did; :attr:`Knee.limit_band` the limits that give the same verdicts.
 """
@@ -103,7 +104,7 @@ def queueing(result: ReplayResult, *, baseline_growth: float, growth_limit: floa
     """Did the server keep up with this run? The run queued when its :func:`ttft_growth` is at least ``growth_limit``
     times ``baseline_growth``, the growth of the same trace at a rate the server keeps up with (:func:`baseline_growth`:
     the lowest rate offered). The trace's own shape -- a burst of arrivals in its first third makes that third wait
-    longer at every rate -- is in both and cancels. Needs 3 successful requests."""
+    longer at every rate -- is in both and largely cancels. Needs 3 successful requests."""
     check_finite("growth_limit", growth_limit, minimum=1.0, strict=True)
     check_finite("baseline_growth", baseline_growth, minimum=0.0, strict=True)
     first, last, _ = _thirds(result)
