@@ -519,3 +519,21 @@ def test_vllm_on_a_gpu_needs_an_environment_of_your_own(monkeypatch):
     monkeypatch.delenv("COURSE_VLLM_ENV", raising=False)
     s = vllm_env.vllm_available("cuda")
     assert not s and "pip install vllm" in s.reason and "COURSE_VLLM_ENV" in s.reason
+
+
+def test_vllm_compiles_through_torch_compiles_kernel_cache_kept_in_the_course_cache(monkeypatch, tmp_path):
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("COURSE_CACHE_DIR", str(tmp_path))
+    env = vllm_env.env_variables()
+    assert env["VLLM_USE_AOT_COMPILE"] == "0"               # vLLM 0.32's own store fails to load on this torch
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "vllm-torchinductor") == str(vllm_env.compile_cache_dir())
+    assert vllm_env.compile_cache_files() == 0               # no folder yet
+    (tmp_path / "vllm-torchinductor" / "fxgraph" / "ab").mkdir(parents=True)
+    for name in ("a", "b"):
+        (tmp_path / "vllm-torchinductor" / "fxgraph" / "ab" / name).write_text("x")
+    assert vllm_env.compile_cache_files() == 2
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")          # a learner's own choice is kept
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    env = vllm_env.env_variables()
+    assert env["VLLM_USE_AOT_COMPILE"] == "1" and env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
