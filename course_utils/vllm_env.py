@@ -209,11 +209,10 @@ def vllm_available(device: str = "cpu") -> Support:
 
 
 def compile_cache_dir() -> Path:
-    """Where a vLLM server the course starts keeps PyTorch's compiled kernels (``TORCHINDUCTOR_CACHE_DIR``):
-    that variable when it is set, else ``vllm-torchinductor`` in the course's cache folder (``$COURSE_CACHE_DIR``
-    or ``~/.cache/llm-inference-course``)."""
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
-        return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]).expanduser()
+    """Where a vLLM server the course starts keeps PyTorch's compiled kernels (its ``TORCHINDUCTOR_CACHE_DIR``):
+    ``vllm-torchinductor`` in the course's cache folder (``$COURSE_CACHE_DIR`` or ``~/.cache/llm-inference-course``).
+    Always this folder, whatever this process's own ``TORCHINDUCTOR_CACHE_DIR`` (PyTorch sets that variable itself
+    once it compiles anything), so that the server's cache is the same folder from one start to the next."""
     base = os.environ.get("COURSE_CACHE_DIR")
     return (Path(base).expanduser() if base else Path.home() / ".cache" / "llm-inference-course") / "vllm-torchinductor"
 

@@ -534,6 +534,6 @@ def test_vllm_compiles_through_torch_compiles_kernel_cache_kept_in_the_course_ca
         (tmp_path / "vllm-torchinductor" / "fxgraph" / "ab" / name).write_text("x")
     assert vllm_env.compile_cache_files() == 2
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")          # a learner's own choice is kept
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "this-process"))   # as PyTorch sets it in-process
     env = vllm_env.env_variables()
-    assert env["VLLM_USE_AOT_COMPILE"] == "1" and env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine")
+    assert env["VLLM_USE_AOT_COMPILE"] == "1" and env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "vllm-torchinductor")
