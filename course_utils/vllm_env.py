@@ -280,9 +280,11 @@ def start_vllm_server(model_folder: str | Path, *, served_model_name: str = "vll
     env = env_variables(threads_bind=threads_bind) if device == "cpu" else dict(os.environ, HF_HUB_OFFLINE="1")
     server = ServerProcess(cmd, base_url=f"http://127.0.0.1:{port}", name="vLLM API server", env=env,
                            log_path=log_path, timeout_s=timeout_s, grace_s=20.0)
-    before = compile_cache_files()
+    counted = device == "cpu" and compiled              # the folder is the server's only then (env_variables)
+    before = compile_cache_files() if counted else 0
     server.start(progress=progress)
-    server.compile_cache_added = compile_cache_files() - before    # files its start added to the kernel cache
+    # files its start added to torch.compile's cache folder (none: nothing compiled afresh); None: not counted
+    server.compile_cache_added = compile_cache_files() - before if counted else None
     return server
 
 

@@ -274,6 +274,38 @@ def test_decode_step_grid_times_every_format_batch_and_context_that_fits(tiny_ll
         decode_step_grid(tiny_llama, (1,), (8,), steps_per_fill=0, progress=False)
 
 
+@pytest.mark.parametrize("kind", ["float", "int4 keys per channel", "int2 keys per token"])
+def test_copied_requests_hold_what_filling_every_request_holds_bit_for_bit(tiny_llama, kind):
+    """The grid fills one request per format and context and copies it to B requests: the same numbers (and, for a
+    quantized cache, the same codes, steps and minimums) as filling the B requests, and the one request untouched."""
+    import torch
+    from transformers import DynamicCache
+
+    from course_utils.batching import copied_requests, fill_cache, prefilled_layers
+    from course_utils.kv_quant import KVQuantSpec, QuantizedKVCache
+    specs = {"int4 keys per channel": KVQuantSpec(4, 8, "channel", "token"),
+             "int2 keys per token": KVQuantSpec(2, 8, "token", "token")}
+    empty = (lambda: DynamicCache(config=tiny_llama.config)) if kind == "float" else \
+        (lambda: QuantizedKVCache(tiny_llama.config, specs[kind]))
+    _, layers = prefilled_layers(tiny_llama, 8)
+    one = fill_cache(empty(), layers, 1, 20)                       # 20 tokens: two whole groups of 8 and 4 left over
+    before = [(la.keys.clone(), la.values.clone()) for la in one.layers]
+    for b in (1, 3):
+        got, want = copied_requests(one, b), fill_cache(empty(), layers, b, 20)
+        for g, w in zip(got.layers, want.layers):
+            assert torch.equal(g.keys, w.keys) and torch.equal(g.values, w.values)
+            assert g.keys.stride() == w.keys.stride() and g.values.stride() == w.values.stride()   # the same layout
+            for gs, ws in zip(getattr(g, "stored_keys", []) + getattr(g, "stored_values", []),
+                              getattr(w, "stored_keys", []) + getattr(w, "stored_values", [])):
+                assert all(torch.equal(getattr(gs, f), getattr(ws, f)) and getattr(gs, f).stride() == getattr(ws, f).stride()
+                           for f in ("codes", "step", "minimum"))
+                assert gs.shape == ws.shape and gs.n_codes == ws.n_codes
+        assert got.get_seq_length() == want.get_seq_length() == 20
+    assert all(torch.equal(la.keys, k) and torch.equal(la.values, v) for la, (k, v) in zip(one.layers, before))
+    with pytest.raises(ValueError, match="one request"):
+        copied_requests(fill_cache(empty(), layers, 2, 20), 2)
+
+
 def test_knee_range_says_what_the_rounds_support_not_the_medians():
     from course_utils.batching import KneeRange, knee_range
     none, four, two = [1, 1, 1, 1], [1, 1, 1, 2], [1, 1, 2, 4]     # step times at B = 1, 2, 4, 8: knees None, 4, 2

@@ -41,7 +41,7 @@ from .paged import (GatherCost, SharingSummary, block_gathers, paged_kv_bytes, r
                     time_block_gather)
 from .roofline import RooflinePoint, cache_step_bytes, decode_intensity, roofline_crossover_batch, roofline_sweep
 from .simulate import Schedule, Span, StepCost, simulate
-from .sweep import (GridPoint, SweepPoint, decode_step_grid, decode_step_sweep, fill_cache, prefilled_layers,
+from .sweep import (GridPoint, SweepPoint, copied_requests, decode_step_grid, decode_step_sweep, fill_cache, prefilled_layers,
                     sweep_step_copies_cache)
 from .workload import round_preserving_total, skewed_lengths, syllabus_output_lengths
 
@@ -51,7 +51,7 @@ __all__ = [
     "round_range", "scenario_prompts", "stream_gaps_s", "stream_tokens_needed", "summarize_run",
     "DoublingGain", "GatherCost", "GridPoint", "KneeRange", "RooflinePoint", "Schedule", "SharingSummary", "Span",
     "StepCost", "SweepPoint", "block_gathers", "block_map_figure", "cache_step_bytes", "decode_intensity", "decode_step_grid", "decode_step_sweep", "doubling_gains",
-    "fill_cache", "find_knee", "gantt_figure", "knee_range", "knees_per_round", "paged_kv_bytes", "policy_gantt", "pool_blocks",
+    "copied_requests", "fill_cache", "find_knee", "gantt_figure", "knee_range", "knees_per_round", "paged_kv_bytes", "policy_gantt", "pool_blocks",
     "prefilled_layers", "reserved_kv_bytes", "roofline_crossover_batch", "roofline_sweep", "round_preserving_total",
     "run_engine_workload", "schedule_from_engine", "sharing_summary", "simulate", "skewed_lengths", "sweep_figure", "sweep_step_copies_cache",
     "syllabus_output_lengths", "time_block_gather",

@@ -139,6 +139,20 @@ def prefilled_layers(model, n_tokens: int, *, seed: int = 0):
     return first, [(layer.keys, layer.values) for layer in base.layers]
 
 
+def copied_requests(cache, batch: int):
+    """A new cache of the same kind holding ``batch`` copies of ``cache``'s one request (``cache`` is left as it was):
+    its stored numbers copied, nothing computed again. For a quantized cache, the same codes as filling ``batch``
+    requests of those numbers (each request's groups are quantized on their own), without quantizing them again."""
+    import copy
+    check_positive_int("batch", batch)
+    if any(layer.keys.shape[0] != 1 for layer in cache.layers if getattr(layer, "keys", None) is not None):
+        raise ValueError("copied_requests needs a cache of one request")
+    out = copy.deepcopy(cache)
+    if batch > 1:
+        out.batch_repeat_interleave(batch)
+    return out
+
+
 def fill_cache(cache, layers, batch: int, context: int):
     """Hand ``cache`` (empty, any format) ``batch`` requests of ``context`` tokens: the keys and values of
     ``layers`` repeated along the tokens and copied to every request. A step's cost and a cache's size do not
@@ -159,9 +173,11 @@ def decode_step_grid(model, batch_sizes, contexts, *, caches: dict | None = None
     ``caches``: ``{name: factory}``, each factory returning an empty transformers cache (default: one
     ``DynamicCache``, ``"float"``). ``max_tokens``: points whose B x context exceeds it are skipped (their
     cache would not fit). The keys and values of one prefilled sequence of ``min(contexts)`` tokens are
-    repeated to each context and copied to every request (:func:`fill_cache`), then handed to a fresh cache
-    of each format (so a quantized one stores them at its bits). Every point is visited in turn, ``repeats``
-    rounds; in each, the freshly filled cache takes one warm-up step and then ``steps_per_fill`` timed steps,
+    repeated to each context (:func:`fill_cache`) and handed to a fresh cache of each format (so a quantized one stores
+    them at its bits), once per format and context in a round, for one request; each batch size's cache is a fresh
+    copy of it for every request (:func:`copied_requests`: the same numbers and codes as filling B requests, none
+    quantized again). Every point is visited in turn, ``repeats`` rounds; in each, the freshly filled cache takes
+    one warm-up step and then ``steps_per_fill`` timed steps,
     whose median is that round's sample (one disturbed step does not make a round). A point's figure is the
     median of its rounds, its spread half their range, and its samples the rounds' medians.
     """
@@ -183,9 +199,18 @@ def decode_step_grid(model, batch_sizes, contexts, *, caches: dict | None = None
     if not points:
         raise ValueError(f"no batch size x context fits in max_tokens={max_tokens}")
     samples: dict[tuple, list[float]] = {p: [] for p in points}
+    last_b = {(name, c): b for name, b, c in points}          # points come grouped by (format, context), B ascending
     for _ in progress_bar(range(repeats), "decode-step grid", enabled=progress, unit="round"):
+        one = None                                             # this (format, context)'s one request, filled once
         for name, b, c in points:
-            cache = fill_cache(caches[name](), layers, b, c)
+            if one is None:
+                one = fill_cache(caches[name](), layers, 1, c)
+            if b == 1 and b == last_b[name, c]:
+                cache = one                                    # its only point: the filled cache itself
+            else:
+                cache = copied_requests(one, b)                # B copies: a quantized cache's codes are not made again
+            if b == last_b[name, c]:
+                one = None
             step = lambda: model(first.expand(b)[:, None], cache=cache, use_cache=True)  # noqa: E731
             timed = []
             for k in range(steps_per_fill + 1):               # a warm-up step, then the timed ones
