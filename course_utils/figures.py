@@ -51,7 +51,7 @@ def publish(name: str, data: dict, *, machine: str = "") -> dict:
         from IPython import get_ipython
         from IPython.display import Markdown, display
         if get_ipython() is not None:
-            display(Markdown(f"*Kept for chapter 10: `{name}` ({len(data)} entries).*"),
+            display(Markdown(f"*Kept for chapter 10: `{name}` (its {', '.join(f'`{k}`' for k in data)}).*"),
                     metadata={FIGURES_KEY: record})
     except ImportError:
         pass
