@@ -182,16 +182,18 @@ class Knee:
 
     def sentence(self) -> str:
         rates = list(self.verdicts)
+        n = max((len(v) for v in self.verdicts.values()), default=0)
+        every = "in its one run" if n == 1 else "in both repeats" if n == 2 else f"in each of its {n} repeats"
         if self.queues_from is None:
-            return (f"it kept up in every repeat up to {rates[-1]:.2f} req/s, the highest rate offered: this trace did "
-                    "not reach its knee")
+            return (f"it kept up {every} at every rate up to {rates[-1]:.2f} req/s, the highest offered: this trace "
+                    "did not reach its knee")
         if self.keeps_up_to is None:
-            return (f"it queued in every repeat from {self.queues_from:.2f} req/s, the lowest rate offered: its knee "
+            return (f"it queued {every} at every rate from {self.queues_from:.2f} req/s, the lowest offered: its knee "
                     "lies below that")
         between = [r for r in rates if self.keeps_up_to < r < self.queues_from]
         edge = f" (at {', '.join(f'{r:.2f}' for r in between)} req/s the repeats disagreed)" if between else ""
-        return (f"it kept up at {self.keeps_up_to:.2f} req/s and queued at {self.queues_from:.2f} req/s in every "
-                f"repeat{edge}: its knee lies between")
+        return (f"it kept up at {self.keeps_up_to:.2f} req/s and queued at {self.queues_from:.2f} req/s {every}"
+                f"{edge}: on this trace its knee lies between those two rates")
 
 
 def served_knee(points: Sequence[RatePoint], *, growth_limit: float = GROWTH_LIMIT) -> Knee:
