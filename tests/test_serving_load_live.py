@@ -93,6 +93,16 @@ def test_the_knee_lies_between_the_last_calm_rate_and_the_first_that_queued_in_e
     never = served_knee([RatePoint(r, _run(calm), k) for r in (1.0, 2.0) for k in (0, 1)])
     assert never.queues_from is None and "did not reach its knee" in never.sentence()
     assert never.limit_band[1] is None
+    # the sentence says only what the verdicts support
+    unbounded = served_knee([RatePoint(1.0, _run(calm), k) for k in (0, 1)] + [RatePoint(2.0, _run(calm), 0),
+                                                                            RatePoint(2.0, _run(busy), 1)])
+    assert unbounded.queues_from is None and "does not bound its knee" in unbounded.sentence()
+    assert "kept up" not in unbounded.sentence()
+    odd = served_knee([RatePoint(r, _run(run), k) for r, run in ((1.0, calm), (2.0, busy), (3.0, calm), (4.0, busy))
+                       for k in (0, 1)])
+    assert (odd.keeps_up_to, odd.queues_from) == (3.0, 4.0)
+    assert "at 2.00 req/s, below it, runs queued" in odd.sentence() and "disagreed" not in odd.sentence()
+    assert "in both repeats" in odd.sentence() and "limit 1.5×" in odd.sentence()
     # judged against itself, the lowest rate keeps up; every higher rate that grows past it queues
     ramp = served_knee([RatePoint(1.0, _run(calm), k) for k in (0, 1)] + [RatePoint(2.0, _run(busy), k) for k in (0, 1)])
     assert ramp.keeps_up_to == 1.0 and ramp.queues_from == 2.0

@@ -184,16 +184,32 @@ class Knee:
         rates = list(self.verdicts)
         n = max((len(v) for v in self.verdicts.values()), default=0)
         every = "in its one run" if n == 1 else "in both repeats" if n == 2 else f"in each of its {n} repeats"
+        listed = lambda rs: ", ".join(f"{r:.2f}" for r in rs)                                  # noqa: E731
+        mixed = [r for r in rates if any(self.verdicts[r]) and not all(self.verdicts[r])]
         if self.queues_from is None:
-            return (f"it kept up {every} at every rate up to {rates[-1]:.2f} req/s, the highest offered: this trace "
-                    "did not reach its knee")
+            queued = [r for r in rates if any(self.verdicts[r])]
+            if not queued:
+                return (f"it kept up {every} at every rate up to {rates[-1]:.2f} req/s, the highest offered: this "
+                        "trace did not reach its knee")
+            return (f"runs queued at {listed(queued)} req/s, but at no rate did every repeat queue with every higher "
+                    "rate queued too: this sweep does not bound its knee")
         if self.keeps_up_to is None:
             return (f"it queued {every} at every rate from {self.queues_from:.2f} req/s, the lowest offered: its knee "
                     "lies below that")
         between = [r for r in rates if self.keeps_up_to < r < self.queues_from]
-        edge = f" (at {', '.join(f'{r:.2f}' for r in between)} req/s the repeats disagreed)" if between else ""
+        notes = []
+        if [r for r in between if r in mixed]:
+            notes.append(f"at {listed([r for r in between if r in mixed])} req/s the repeats disagreed")
+        if [r for r in between if all(self.verdicts[r])]:
+            notes.append(f"at {listed([r for r in between if all(self.verdicts[r])])} req/s every repeat queued, but "
+                         "not at every rate above")
+        below = [r for r in rates if r < self.keeps_up_to and any(self.verdicts[r])]
+        if below:
+            notes.append(f"yet at {listed(below)} req/s, below it, runs queued: the verdicts do not rise with the rate")
+        edge = f" ({'; '.join(notes)})" if notes else ""
         return (f"it kept up at {self.keeps_up_to:.2f} req/s and queued at {self.queues_from:.2f} req/s {every}"
-                f"{edge}: on this trace its knee lies between those two rates")
+                f"{edge}: by the growth test (limit {self.growth_limit:g}×), on this trace its knee lies between "
+                "those two rates")
 
 
 def served_knee(points: Sequence[RatePoint], *, growth_limit: float = GROWTH_LIMIT) -> Knee:
