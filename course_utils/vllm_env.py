@@ -213,8 +213,8 @@ def compile_cache_dir() -> Path:
     ``vllm-torchinductor`` in the course's cache folder (``$COURSE_CACHE_DIR`` or ``~/.cache/llm-inference-course``).
     Always this folder, whatever this process's own ``TORCHINDUCTOR_CACHE_DIR`` (PyTorch sets that variable itself
     once it compiles anything), so that the server's cache is the same folder from one start to the next."""
-    base = os.environ.get("COURSE_CACHE_DIR")
-    return (Path(base).expanduser() if base else Path.home() / ".cache" / "llm-inference-course") / "vllm-torchinductor"
+    from .models import cache_dir                       # imports torch: only where a server is started
+    return cache_dir() / "vllm-torchinductor"
 
 
 def compile_cache_files() -> int:

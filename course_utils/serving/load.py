@@ -198,11 +198,12 @@ class Knee:
                     "lies below that")
         between = [r for r in rates if self.keeps_up_to < r < self.queues_from]
         notes = []
-        if [r for r in between if r in mixed]:
-            notes.append(f"at {listed([r for r in between if r in mixed])} req/s the repeats disagreed")
-        if [r for r in between if all(self.verdicts[r])]:
-            notes.append(f"at {listed([r for r in between if all(self.verdicts[r])])} req/s every repeat queued, but "
-                         "not at every rate above")
+        split = [r for r in between if r in mixed]
+        if split:
+            notes.append(f"at {listed(split)} req/s the repeats disagreed")
+        all_queued = [r for r in between if all(self.verdicts[r])]
+        if all_queued:
+            notes.append(f"at {listed(all_queued)} req/s every repeat queued, but not at every rate above")
         below = [r for r in rates if r < self.keeps_up_to and any(self.verdicts[r])]
         if below:
             notes.append(f"yet at {listed(below)} req/s, below it, runs queued: the verdicts do not rise with the rate")
