@@ -29,6 +29,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import time
@@ -541,7 +542,9 @@ def train_student(student, data: DistillData, *, loss: str, steps: int, batch_si
             eval_s += time.perf_counter() - t1
 
     checkpoint(0)
-    with torch.enable_grad():
+    # a frozen quantization-aware weight (train="unquantized") rounds to the same values at every step: once is enough
+    rounding = parametrize.cached() if train == "unquantized" else contextlib.nullcontext()
+    with torch.enable_grad(), rounding:
         for step, batch in enumerate(progress_bar(batches, f"{loss}-label training", enabled=progress), start=1):
             student.train()
             value = training_step(student, data, batch, loss, loss_chunk)

@@ -112,14 +112,44 @@ def file_sha256(path: Path, chunk_bytes: int = 1 << 22) -> str:
 
 
 def gguf_file_type(path: Path) -> str | None:
-    """The quantization type a GGUF file declares (``general.file_type``), e.g. ``"Q4_1"``."""
+    """The quantization type a GGUF file declares (``general.file_type``), e.g. ``"Q4_1"``.
+
+    Reads the metadata only up to that key (it comes before the tokenizer's vocabulary, which ``GGUFReader``
+    would parse whole: seconds for a vocabulary of 49,152 tokens); None when the file does not declare it."""
+    import struct
+
     try:
-        from gguf import GGUFReader, LlamaFileType
-        field = GGUFReader(str(path)).fields.get("general.file_type")
-        if field is None:
-            return None
-        value = int(field.parts[field.data[0]][0])
-        return LlamaFileType(value).name.removeprefix("MOSTLY_")
+        from gguf import GGUFValueType, LlamaFileType
+        scalar = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+                  GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+                  GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
+                  GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d"}
+        with open(path, "rb") as f:
+            def read(fmt):
+                return struct.unpack("<" + fmt, f.read(struct.calcsize(fmt)))[0]
+
+            def skip(kind):
+                if kind == GGUFValueType.STRING:
+                    f.seek(read("Q"), 1)
+                elif kind == GGUFValueType.ARRAY:
+                    item, n = GGUFValueType(read("I")), read("Q")
+                    if item in scalar:
+                        f.seek(n * struct.calcsize(scalar[item]), 1)
+                    else:
+                        for _ in range(n):
+                            skip(item)
+                else:
+                    f.seek(struct.calcsize(scalar[kind]), 1)
+
+            if f.read(4) != b"GGUF" or read("I") < 2:
+                return None
+            _, n_keys = read("Q"), read("Q")
+            for _ in range(n_keys):
+                key, kind = f.read(read("Q")).decode("utf-8"), GGUFValueType(read("I"))
+                if key == "general.file_type" and kind in scalar:
+                    return LlamaFileType(int(read(scalar[kind]))).name.removeprefix("MOSTLY_")
+                skip(kind)
+        return None
     except Exception:  # the type is informative only; never block a load on it
         return None
 

@@ -45,6 +45,7 @@ from .measure import Timing, synchronize, time_call
 from .models import model_dims
 from .progress import progress_bar
 from .prompts import chat_prompt_ids
+from .token_times import _check_arrivals, inter_token_gaps_s, tpot_s, ttft_s   # noqa: F401 (re-exported)
 from .validation import check_finite, check_non_negative_int, check_positive_int
 
 
@@ -366,29 +367,6 @@ def stream_generate(model, tokenizer, user_message: str, max_new_tokens: int) ->
 
 # --- serving metrics (pure) ---------------------------------------------------------------------
 
-def _check_arrivals(arrival_s) -> np.ndarray:
-    t = np.asarray(list(arrival_s), dtype=float)
-    if t.ndim != 1 or t.size < 2:
-        raise ValueError(f"need the arrival times of at least 2 tokens, got {t.size}")
-    if not np.all(np.isfinite(t)):
-        raise ValueError("arrival times must be finite numbers (seconds since the request was sent)")
-    if t[0] < 0:
-        raise ValueError(f"arrival times are seconds since the request was sent, so >= 0; got {t[0]}")
-    if np.any(np.diff(t) < 0):
-        raise ValueError("arrival times must be sorted (non-decreasing): token i+1 cannot arrive before token i")
-    return t
-
-
-def ttft_s(arrival_s) -> float:
-    """Time to first token: request sent (t = 0) to the first token's arrival."""
-    return float(_check_arrivals(arrival_s)[0])
-
-
-def inter_token_gaps_s(arrival_s) -> list[float]:
-    """ITL: every gap between consecutive tokens (n - 1 values)."""
-    return np.diff(_check_arrivals(arrival_s)).tolist()
-
-
 def cores_busy_per_gap(arrival_s, cpu_s) -> list[float]:
     """For each gap between consecutive tokens: the process's CPU seconds over the gap's wall seconds.
 
@@ -404,25 +382,6 @@ def cores_busy_per_gap(arrival_s, cpu_s) -> list[float]:
     if np.any(wall <= 0):
         raise ValueError("every gap must last some time to divide by it; two arrivals share a timestamp")
     return (np.diff(c) / wall).tolist()
-
-
-def tpot_s(arrival_s, end_s: float | None = None, *, n_tokens: int | None = None) -> float:
-    """Time per output token after the first: (end-to-end latency - TTFT) / (tokens - 1).
-
-    ``end_s`` (when the response completed) defaults to the last token's arrival.
-    ``n_tokens``: how many tokens the stream delivered, when a streamed chunk may hold several
-    (chapter 11's servers); default one token per arrival.
-    """
-    t = _check_arrivals(arrival_s)
-    end = float(t[-1]) if end_s is None else float(end_s)
-    if not math.isfinite(end) or end < t[-1]:
-        raise ValueError(f"end_s must be a number >= the last arrival ({t[-1]}), got {end_s!r}")
-    if n_tokens is None:
-        return float(end - t[0]) / (t.size - 1)
-    check_positive_int("n_tokens", n_tokens)
-    if n_tokens < t.size:
-        raise ValueError(f"n_tokens ({n_tokens}) cannot be fewer than the {t.size} arrivals that carried tokens")
-    return float(end - t[0]) / (n_tokens - 1)
 
 
 def hf_inter_token_latency_s(arrival_s) -> float:

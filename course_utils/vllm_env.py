@@ -457,11 +457,14 @@ class VllmBench:
     Importing vLLM takes tens of seconds, so one process serves every call. ``bench_args``
     (:func:`bench_serve_args`): the benchmark each :meth:`bench` round runs -- the same prompts every
     round, drawn once from the random dataset with its seed (:attr:`prompts`, :attr:`prompt_lens`);
-    None for a helper that only computes metrics. Use as a context manager, or call :meth:`close`.
+    None for a helper that only computes metrics. ``wait=False`` returns as soon as the process is started, so that
+    its import of vLLM runs while the caller does something else; :meth:`ready` (called by every method that needs
+    the process) waits for it. Use as a context manager, or call :meth:`close`.
     """
 
-    def __init__(self, bench_args: list[str] | None = None, *, timeout_s: float = 600.0):
+    def __init__(self, bench_args: list[str] | None = None, *, timeout_s: float = 600.0, wait: bool = True):
         self.timeout_s = timeout_s
+        self._ready = False
         self.tmp = tempfile.mkdtemp(prefix="vllm-bench-")
         self.rounds = 0
         cmd = [str(env_python()), "-m", "course_utils.vllm_env", "session", self.tmp]
@@ -478,13 +481,34 @@ class VllmBench:
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                                          bufsize=1, **kw)
         atexit.register(self.close)
-        self._sampler = PeakSampler(self._rss, interval_s=0.5)
-        self._sampler.start()
-        self._expect("ready")
-        self.prompts, self.prompt_lens = [], []
-        if bench_args:
-            data = json.loads((Path(self.tmp) / "prompts.json").read_text())
-            self.prompts, self.prompt_lens = data["prompts"], data["prompt_lens"]
+        self._sampler = PeakSampler(self._rss, interval_s=0.5)   # started with the first round or call: a helper
+        self._prompts, self._prompt_lens = [], []                  # still waiting for one adds no thread here
+        if wait:
+            self.ready()
+
+    def ready(self) -> "VllmBench":
+        """Wait until the process has imported vLLM (and drawn the benchmark's prompts); returns the helper."""
+        if not self._ready:
+            self._expect("ready")
+            if self.bench_args:
+                data = json.loads((Path(self.tmp) / "prompts.json").read_text())
+                self._prompts, self._prompt_lens = data["prompts"], data["prompt_lens"]
+            self._ready = True
+        return self
+
+    @property
+    def prompts(self) -> list:
+        """The benchmark's prompts (token ids), as its random dataset drew them."""
+        return self.ready()._prompts
+
+    @property
+    def prompt_lens(self) -> list:
+        return self.ready()._prompt_lens
+
+    def _working(self) -> None:
+        self.ready()
+        if not self._sampler.is_alive() and self._sampler.ident is None:
+            self._sampler.start()
 
     def _rss(self) -> int:
         import psutil
@@ -495,7 +519,7 @@ class VllmBench:
 
     @property
     def peak_rss(self) -> int:
-        """Peak resident memory of the helper process so far (bytes)."""
+        """Peak resident memory of the helper process so far (bytes), sampled from its first round or call on."""
         return self._sampler.peak
 
     def _expect(self, word: str) -> None:
@@ -506,6 +530,7 @@ class VllmBench:
             raise RuntimeError(f"the vLLM helper process failed (expected {word!r}, got {line!r}):\n" + "\n".join(log))
 
     def _call(self, **command) -> None:
+        self._working()
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
         self._expect("done")
@@ -521,6 +546,7 @@ class VllmBench:
         """
         if delay_s < 0:
             raise ValueError(f"delay_s must be >= 0 seconds, got {delay_s}")
+        self._working()
         name = f"round-{self.rounds}.json"
         self.rounds += 1
         self.proc.stdin.write(json.dumps({"cmd": "bench", "name": name, "armed": alongside is not None,
@@ -546,7 +572,8 @@ class VllmBench:
 
     def close(self) -> None:
         atexit.unregister(self.close)
-        self._sampler.stop()
+        if self._sampler.ident is not None:
+            self._sampler.stop()
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write(json.dumps({"cmd": "quit"}) + "\n")

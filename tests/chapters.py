@@ -23,7 +23,8 @@ CHAPTERS = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
 
 #: Parameters of the second run, per chapter number (MODEL is added by the caller).
 REDUCED: dict[str, dict] = {
-    "01": dict(N_NEW=8, STEP_CONTEXTS=[8, 16, 32], HEAD_CONTEXTS=[64, 128, 256], MEM_CTX=32, REPEATS=1),
+    "01": dict(N_NEW=8, STEP_CONTEXTS=[8, 16, 32], HEAD_CONTEXTS=[64, 128, 256], MEM_CTX=32, REPEATS=1,
+               LOOP_REPEATS=1),
     "02": dict(PROMPT_LENGTHS=[8, 16, 64], CACHE_LENGTHS=[8, 16, 64], REPEATS=1, TOKEN_BUDGET=64, DECODE_REPEATS=2,
                MATMUL_SIZE=128, STREAM_NEW_TOKENS=8),
     "03": dict(CHECK_SHAPES=[[1, 1], [2, 17]],       # lists: papermill passes a tuple as its string

@@ -264,8 +264,13 @@ def test_decode_step_grid_times_every_format_batch_and_context_that_fits(tiny_ll
     assert {(p.cache, p.batch, p.context) for p in points} == {
         (c, b, n) for c in caches for b, n in [(1, 8), (4, 8), (1, 24)]}          # 4 x 24 = 96 > 40: skipped
     assert all(p.step_s > 0 and len(p.samples_s) == 2 for p in points)
-    # the stored tokens, then a warm-up step and steps_per_fill (2) timed steps on the same fill
-    assert seen[-1].quantized_tokens == 24 and seen[-1].get_seq_length() == 24 + 1 + 2
+    # the stored tokens, then steps_per_fill (2) timed steps on the same fill; a warm-up step before them in round 1
+    assert [c.get_seq_length() for c in seen if c.quantized_tokens == 24] == [24 + 1 + 2, 24 + 2]
+    seen.clear()
+    decode_step_grid(tiny_llama, (1,), (24,), caches=caches, repeats=3, warmup_rounds=0, progress=False)
+    assert [c.get_seq_length() for c in seen] == [24 + 2] * 3
+    with pytest.raises(ValueError, match="warmup_rounds"):
+        decode_step_grid(tiny_llama, (1,), (8,), warmup_rounds=-1, progress=False)
     with pytest.raises(ValueError, match="fits"):
         decode_step_grid(tiny_llama, (4,), (24,), max_tokens=40, progress=False)
     with pytest.raises(ValueError, match="caches"):

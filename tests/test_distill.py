@@ -333,6 +333,31 @@ def test_training_only_the_unquantized_parameters_leaves_the_rounded_weights_as_
         D.train_student(arm, data, loss="soft", steps=1, train="norms")
 
 
+def test_the_control_arm_rounds_its_frozen_weights_once_and_trains_to_the_same_numbers(teacher, monkeypatch):
+    """train="unquantized" keeps the rounded projections for the whole run (parametrize.cached): the losses and the
+    trained parameters are those of rounding them again at every step, bit for bit."""
+    import contextlib
+
+    student = D.student_from_teacher(teacher, [0, 1])
+    data = D.distillation_data(student, _text(), 16, 8)
+    arms, roundings = [], []
+    for cache in (True, False):
+        arm = D.copy_student(student)
+        D.quantization_aware(arm, Scheme("absmax", 4, "row"))
+        calls = []
+        with monkeypatch.context() as m:
+            m.setattr(D, "fake_quantize", lambda w, s, f=D.fake_quantize: calls.append(1) or f(w, s))
+            if not cache:
+                m.setattr(D.parametrize, "cached", contextlib.nullcontext)
+            run = D.train_student(arm, data, loss="soft", steps=4, batch_size=2, lr=1e-2, train="unquantized")
+        arms.append((run.losses, {n: p.detach().clone() for n, p in arm.named_parameters()}))
+        roundings.append(len(calls))
+    n = len(D.projection_modules(arm))                 # two forward passes check the head's split first, uncached
+    assert roundings == [2 * n + n, 2 * n + 4 * n], roundings         # then once per matrix, against once per step
+    assert arms[0][0] == arms[1][0]
+    assert all(torch.equal(p, arms[1][1][n]) for n, p in arms[0][1].items())
+
+
 # --- soft labels -------------------------------------------------------------------------------------------------
 
 class _Tok:

@@ -23,6 +23,15 @@ def test_embedded_model_loads_offline_and_answers(embedded):
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
 
 
+def test_gguf_file_type_reads_the_declared_type_and_nothing_else(tiny_gguf, tmp_path):
+    from course_utils.models import embedded_gguf_path, gguf_file_type
+    assert gguf_file_type(embedded_gguf_path()) == "Q4_1"
+    assert gguf_file_type(tiny_gguf) == "ALL_F32"                     # as tests/tiny_gguf.py declares it
+    (tmp_path / "not.gguf").write_bytes(b"not a gguf file at all")
+    (tmp_path / "cut.gguf").write_bytes(tiny_gguf.read_bytes()[:60])   # the metadata ends before the key
+    assert gguf_file_type(tmp_path / "not.gguf") is None and gguf_file_type(tmp_path / "cut.gguf") is None
+
+
 def test_weight_bytes_counts_tied_embedding_once(embedded):
     model, _ = embedded
     assert weight_bytes(model) == 134_515_008 * 4

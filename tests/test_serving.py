@@ -386,6 +386,9 @@ def test_vllm_computes_the_same_figures_from_the_same_records_deterministic_chec
     slo = SLO(ttft_ms=400, tpot_ms=60)
     theirs = vllm_env.vllm_calculate_metrics(recs, 7.5, goodput=slo.as_dict())
     _assert_same_figures(summarize(recs, 7.5, slo=slo), theirs)
+    with vllm_env.VllmBench(wait=False) as helper:     # started, not waited for: its first call waits until it is ready
+        assert helper.proc.poll() is None and not helper._ready
+        assert helper.calculate_metrics(recs, 7.5, goodput=slo.as_dict()) == theirs and helper._ready
     assert theirs["request_goodput"] > 0 and theirs["failed"] == 1
 
 
@@ -419,9 +422,9 @@ def test_the_client_agrees_with_vllm_bench_serve_live_check(vllm_server, tmp_pat
     path = vllm_env.write_trace_file(tr, tmp_path / "trace.jsonl")
     args = vllm_env.bench_trace_args(server.base_url, folder, "vllm", path, num_prompts=len(tr))
     ours, theirs = [], []
-    with vllm_env.VllmBench(args) as bench:
+    with vllm_env.VllmBench(args, wait=False) as bench:                       # it imports vLLM while ...
+        replay(server.base_url, "vllm", tr, max_concurrency=1, progress=False)   # ... this warms up the server
         assert bench.prompts == [list(r.prompt) for r in tr.requests]          # exactly the trace's tokens
-        replay(server.base_url, "vllm", tr, max_concurrency=1, progress=False)   # warm up the server
         for who in ("ours", "theirs", "theirs", "ours"):
             if who == "ours":
                 ours.append(times_from_records(replay_in_process(server.base_url, "vllm", tr, max_concurrency=1,

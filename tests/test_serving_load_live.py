@@ -134,6 +134,29 @@ def test_capacity_slo_and_spread_and_their_bad_input():
             bad()
 
 
+def test_sweep_rates_run_the_shared_rate_in_place_of_a_factor_rate_close_to_it():
+    from course_utils.serving import sweep_rates
+    factors = [0.5, 0.75, 1.0, 1.25]
+    alone = sweep_rates(6.24, factors)
+    assert alone.rates == [3.12, 4.68, 6.24, 7.8] and alone.replaced is None
+    # the course engine's capacity is its own 1.0x rate: nothing to add, nothing left out
+    assert sweep_rates(3.59, factors, shared_per_s=3.59) == sweep_rates(3.59, factors)
+    # vLLM, faster: the shared 3.59 req/s (0.58x) is 15 % above its 0.5x rate, which it replaces
+    got = sweep_rates(6.24, factors, shared_per_s=3.59)
+    assert got.rates == [3.59, 4.68, 6.24, 7.8] and got.replaced == (0.5, 3.12)
+    # no factor rate within the limit: the shared rate is added to the four
+    far = sweep_rates(6.24, factors, shared_per_s=2.0)
+    assert far.rates == [2.0, 3.12, 4.68, 6.24, 7.8] and far.replaced is None
+    assert sweep_rates(6.24, factors, shared_per_s=3.59, merge_within=0.1).replaced is None
+    # only the nearest factor rate goes, even when two are within the limit
+    assert sweep_rates(10.0, [0.9, 1.0, 1.1], shared_per_s=10.4, merge_within=0.5) == \
+        type(got)([9.0, 10.4, 11.0], (1.0, 10.0))
+    for bad in (lambda: sweep_rates(0.0, factors), lambda: sweep_rates(5.0, []), lambda: sweep_rates(5.0, [0.5, -1]),
+                lambda: sweep_rates(5.0, factors, shared_per_s=0.0), lambda: sweep_rates(5.0, factors, merge_within=-0.1)):
+        with pytest.raises(ValueError):
+            bad()
+
+
 # ---- the live check: passes for the course client, fails for a wrongly stamped one -----------------------------------
 
 FIRST_S, STEP_S = 0.06, 0.04
@@ -229,6 +252,17 @@ def test_a_replay_in_a_process_of_its_own_measures_the_same(fake):
         replay_in_process(fake, "other", TRACE, progress=False)
     bad = make_trace([[1, 2, 3]], [0 + 2], rate_per_s=math.inf)
     assert isinstance(pickle.loads(pickle.dumps(ReplayError("x", replay(fake, "m", bad, progress=False)))), ReplayError)
+
+
+def test_the_replay_process_imports_neither_torch_nor_transformers():
+    """A replay in a process of its own starts in a fraction of a second: the client, its records and their metrics
+    need numpy and httpx only (chapter 11 starts one per round of its live check)."""
+    import subprocess
+    import sys
+    code = ("import sys, course_utils.serving.client, course_utils.serving.metrics; "
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 def _buffered_lines(lag_lines: int | None):

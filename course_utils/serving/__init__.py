@@ -23,8 +23,8 @@
   - request and token throughput: completed requests (tokens) / the run's duration;
   - goodput: requests per second that met every SLO (e.g. TTFT <= 500 ms and TPOT <= 100 ms).
 
-  The per-request quantities reuse chapter 02's :func:`~course_utils.prefill_decode.ttft_s`,
-  :func:`~course_utils.prefill_decode.tpot_s` and :func:`~course_utils.prefill_decode.inter_token_gaps_s`.
+  The per-request quantities reuse chapter 02's :func:`~course_utils.token_times.ttft_s`,
+  :func:`~course_utils.token_times.tpot_s` and :func:`~course_utils.token_times.inter_token_gaps_s`.
   Aggregates use numpy exactly as vLLM does (mean, median, population std, linear percentiles),
   so the same records give the same figures to the last bit (checked in chapter 11 and in the tests).
 * **Load** (:mod:`.load`): rates set from a server's measured capacity, repeated runs, queueing read
@@ -56,7 +56,8 @@ from .client import (
 )
 from .load import (
     GROWTH_LIMIT, Knee, Queueing, RatePoint, Spread, baseline_growth, by_rate, capacity_per_s, served_knee,
-    goodput_figure, queueing, slo_from_solo, spread, rate_sweep_figure, sweep_queueing, ttft_by_index_figure,
+    goodput_figure, queueing, slo_from_solo, spread, rate_sweep_figure, sweep_queueing, sweep_rates, SweepRates,
+    ttft_by_index_figure, SHARED_RATE_MERGE,
     ttft_growth,
 )
 from .live import ClientAgreement, RequestTimes, agreement, machine_busy, times_from_bench, times_from_records
@@ -71,7 +72,7 @@ __all__ = [
     'die_with_parent', 'distribution', 'served_knee', 'free_port', 'goodput', 'goodput_figure',
     'latency_cdf_figure', 'long_prompt_lengths', 'long_prompt_positions', 'long_prompt_trace', 'machine_busy',
     'make_trace', 'meets_slo', 'queueing', 'replay', 'replay_async', 'replay_in_process', 'request_metrics',
-    'run_sync', 'skewed_trace', 'slo_from_solo', 'split_by_prompt', 'spread', 'stall_figure', 'stalls', 'stop_all_servers',
+    'run_sync', 'skewed_trace', 'slo_from_solo', 'split_by_prompt', 'spread', 'sweep_rates', 'SweepRates', 'SHARED_RATE_MERGE', 'stall_figure', 'stalls', 'stop_all_servers',
     'summarize', 'rate_sweep_figure',
     'sweep_queueing', 'timeline_figure', 'ttft_by_index_figure', 'ttft_growth', 'times_from_bench', 'times_from_records',
 ]

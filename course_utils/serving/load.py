@@ -2,7 +2,8 @@
 queueing read from the time to first token across a run, and the knee.
 
 * :func:`capacity_per_s`: an estimate of the request rate a server can sustain, from its decode step with
-  ``slots`` answers in flight and the time a prompt's prefill takes: the sweep's rates are multiples of it.
+  ``slots`` answers in flight and the time a prompt's prefill takes: the sweep's rates are multiples of it
+  (:func:`sweep_rates`, with a rate every server runs).
 * :func:`ttft_growth`: one run's median TTFT of the last third of its requests over that of the first third. A
   server that keeps up answers the last requests about as fast as the first ones; one that does not makes each
   later request wait behind the earlier ones. But the ratio also carries the trace's own shape (a burst of
@@ -54,6 +55,41 @@ def capacity_per_s(batch_tpot_s: float, slots: int, mean_output_tokens: float, p
     check_finite("mean_output_tokens", mean_output_tokens, minimum=0.0, strict=True)
     check_finite("prefill_s", prefill_s, minimum=0.0)
     return 1.0 / (prefill_s + mean_output_tokens * batch_tpot_s / slots)
+
+
+#: A sweep rate this close to the shared rate (relative difference) is not run as well: the shared rate stands for it.
+SHARED_RATE_MERGE = 0.2
+
+
+@dataclass(frozen=True)
+class SweepRates:
+    """The rates one server's sweep runs (requests/s, rounded to 3 decimals, ascending), and the factor rate the
+    shared rate stands for (``replaced``: ``(factor, its rate)``; None when none was left out)."""
+
+    rates: list[float]
+    replaced: tuple[float, float] | None = None
+
+
+def sweep_rates(capacity_per_s: float, factors: Sequence[float], *, shared_per_s: float | None = None,
+                merge_within: float = SHARED_RATE_MERGE) -> SweepRates:
+    """A server's sweep: ``factors`` x ``capacity_per_s``, plus ``shared_per_s`` (a rate every server runs, so that
+    they can be compared at one load). Where the shared rate lies within ``merge_within`` (relative) of one of the
+    factor rates, that one (the nearest) is not run: two runs that close offer nearly the same load."""
+    check_finite("capacity_per_s", capacity_per_s, minimum=0.0, strict=True)
+    if not factors or any(not np.isfinite(f) or f <= 0 for f in factors):
+        raise ValueError(f"factors must be a non-empty list of positive numbers, got {list(factors)!r}")
+    check_finite("merge_within", merge_within, minimum=0.0)
+    own = {float(f): round(float(f) * capacity_per_s, 3) for f in factors}
+    if shared_per_s is None:
+        return SweepRates(sorted(set(own.values())))
+    check_finite("shared_per_s", shared_per_s, minimum=0.0, strict=True)
+    shared = round(float(shared_per_s), 3)
+    factor, rate = min(own.items(), key=lambda fr: abs(fr[1] / shared - 1))
+    replaced = None
+    if rate != shared and abs(rate / shared - 1) <= merge_within:
+        replaced = (factor, rate)
+        own = {f: r for f, r in own.items() if f != factor}
+    return SweepRates(sorted(set(own.values()) | {shared}), replaced)
 
 
 def slo_from_solo(solo_ttft_s: float, solo_tpot_s: float, *, ttft_factor: float, tpot_factor: float) -> SLO:

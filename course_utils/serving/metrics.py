@@ -6,7 +6,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..prefill_decode import inter_token_gaps_s, tpot_s, ttft_s
+from ..token_times import inter_token_gaps_s, tpot_s, ttft_s
 from ..validation import check_finite, check_positive_int
 
 #: The percentiles every summary reports (p99 always beside its sample size).
