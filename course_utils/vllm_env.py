@@ -507,7 +507,7 @@ class VllmBench:
 
     def _working(self) -> None:
         self.ready()
-        if not self._sampler.is_alive() and self._sampler.ident is None:
+        if self._sampler.ident is None:                          # not started yet
             self._sampler.start()
 
     def _rss(self) -> int:

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from ..progress import progress_bar
-from ..validation import check_positive_int, check_positive_ints
+from ..validation import check_non_negative_int, check_positive_int, check_positive_ints
 
 
 @dataclass(frozen=True)
@@ -182,8 +182,8 @@ def decode_step_grid(model, batch_sizes, contexts, *, caches: dict | None = None
     straight away: with the embedded model on a 2-core Xeon, such a step, timed, was no slower than the next ones
     (over chapter 10's grid, the first step over the median of the next two in the second and third rounds: medians
     of 0.98-1.03 for each of its 8 weight and cache formats, 12 timings each, single ratios 0.79-1.18, as far apart
-    as two timed steps of one fill), while a warm-up step in every round took a third of the grid's step time. A point's figure is the median of
-    its rounds, its spread half their range, and its samples the rounds' medians.
+    as two timed steps of one fill), while a warm-up step in every round took a third of the grid's step time.
+    A point's figure is the median of its rounds, its spread half their range, and its samples the rounds' medians.
     """
     from transformers import DynamicCache
 
@@ -192,8 +192,7 @@ def decode_step_grid(model, batch_sizes, contexts, *, caches: dict | None = None
     ctxs = _check_batch_sizes(contexts)
     check_positive_int("repeats", repeats)
     check_positive_int("steps_per_fill", steps_per_fill)
-    if isinstance(warmup_rounds, bool) or not isinstance(warmup_rounds, int) or warmup_rounds < 0:
-        raise ValueError(f"warmup_rounds must be an integer >= 0, got {warmup_rounds!r}")
+    check_non_negative_int("warmup_rounds", warmup_rounds)
     if max_tokens is not None:
         check_positive_int("max_tokens", max_tokens)
     caches = {"float": lambda: DynamicCache(config=model.config)} if caches is None else caches
