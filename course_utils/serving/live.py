@@ -105,11 +105,6 @@ class ClientAgreement:
     def ok(self) -> bool:
         return not self.failures
 
-    @property
-    def worst_s(self) -> float:
-        """The largest difference between the two clients, TTFT or first-to-last token (s)."""
-        return max(max(abs(r.ttft_diff_s), abs(r.decode_diff_s)) for r in self.rows)
-
 
 def _check_rounds(name: str, rounds: Sequence[Sequence[RequestTimes]]) -> int:
     if not rounds or not all(len(r) for r in rounds):
