@@ -134,3 +134,108 @@ def check_against_generate(model, prompts: list[list[int]], outputs: list[list[i
         ref, gaps = reference_generate(model, prompt, limit, eos_token_ids=eos_token_ids)
         results.append(compare_tokens(got, ref, gaps, tie_tol=tie_tol))
     return results
+
+
+# --- the same claim, checked in one forward pass per request ---------------------------------------------------
+
+@dataclass(frozen=True)
+class GreedyCheck:
+    """How one request's tokens compare with the model's own greedy choices, position by position.
+
+    ``off_argmax``: ``(index, gap)`` for every token that is not the largest logit where it was chosen, ``gap``
+    being the largest logit minus that token's; ``ending``: what is wrong with where the answer stops (``""``: nothing).
+    """
+
+    n_tokens: int
+    off_argmax: tuple[tuple[int, float], ...]
+    ending: str = ""
+    tie_tol: float = TIE_TOL
+
+    @property
+    def exact(self) -> bool:
+        return not self.off_argmax and not self.ending
+
+    @property
+    def near_tie(self) -> bool:
+        return bool(self.off_argmax) and not self.ending and all(g < self.tie_tol for _, g in self.off_argmax)
+
+    @property
+    def ok(self) -> bool:
+        return self.exact or self.near_tie
+
+    def __str__(self) -> str:
+        if self.ending:
+            return f"MISMATCH: {self.ending}"
+        if self.exact:
+            return f"greedy at every token ({self.n_tokens} tokens)"
+        what = "near-tie" if self.near_tie else "MISMATCH"
+        i, gap = next((i, g) for i, g in self.off_argmax if self.near_tie or g >= self.tie_tol)   # the first that fails
+        return (f"{what} at token {i} (the largest logit {gap:.2e} above the one chosen"
+                + (f"; {len(self.off_argmax)} such tokens" if len(self.off_argmax) > 1 else "") + ")")
+
+
+def greedy_check_from_logits(logits: torch.Tensor, tokens: list[int], max_new_tokens: int, *, eos_token_ids=(),
+                             tie_tol: float = TIE_TOL) -> GreedyCheck:
+    """:class:`GreedyCheck` of ``tokens`` from ``logits`` (one row per token: the logits it was chosen from).
+
+    Greedy decoding picks the largest logit at every step, so ``tokens`` are the greedy answer exactly when each is
+    its row's largest logit (or within ``tie_tol`` of it: a near-tie, which rounding may decide either way), the
+    answer stops at the first end-of-text token, and it stops early only there."""
+    tokens = [int(t) for t in tokens]
+    if logits.ndim != 2 or logits.shape[0] != len(tokens):
+        raise ValueError(f"need one row of logits per token: got {tuple(logits.shape)} for {len(tokens)} tokens")
+    eos = set(eos_token_ids)
+    ending = ""
+    if len(tokens) > max_new_tokens:
+        ending = f"{len(tokens)} tokens, more than the {max_new_tokens} asked for"
+    elif any(t in eos for t in tokens[:-1]):
+        ending = f"went on after an end-of-text token (at token {next(i for i, t in enumerate(tokens) if t in eos)})"
+    elif len(tokens) < max_new_tokens and not (tokens and tokens[-1] in eos):
+        ending = f"stopped after {len(tokens)} of {max_new_tokens} tokens without an end-of-text token"
+    if not tokens:
+        return GreedyCheck(0, (), ending, tie_tol)
+    rows = logits.float()
+    top = rows.max(-1).values
+    chosen = rows.gather(-1, torch.tensor(tokens, device=rows.device)[:, None])[:, 0]
+    gaps = (top - chosen).tolist()
+    off = tuple((i, float(g)) for i, g in enumerate(gaps) if g > 0)
+    return GreedyCheck(len(tokens), off, ending, tie_tol)
+
+
+@torch.no_grad()
+def check_greedy(model, prompts: list[list[int]], outputs: list[list[int]], max_new_tokens, *, eos_token_ids=(),
+                 tie_tol: float = TIE_TOL, progress: bool = False) -> list[GreedyCheck]:
+    """One :class:`GreedyCheck` per request: is ``outputs[i]`` the model's greedy answer to ``prompts[i]`` alone?
+
+    The question :func:`check_against_generate` answers, in one forward pass per request instead of one per token:
+    the prompt and the answer go through the model together, with no cache (teacher forcing), and each answer token
+    must be the largest logit at the position before it (:func:`greedy_check_from_logits`). Where that holds at every
+    token, ``generate`` would write the same answer, since it too takes the largest logit after the same tokens. A
+    near-tie is allowed at any token, not only at the first difference; the logits come from other shapes than
+    ``generate``'s one-token steps, so they differ from its logits in the last bits, as any batch's do. A request
+    that repeats an earlier one of the same call (prompt, answer and limit) is checked once."""
+    limits = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
+    if not (len(prompts) == len(outputs) == len(limits)):
+        raise ValueError("prompts, outputs and max_new_tokens must have one entry per request")
+    items = progress_bar(list(zip(prompts, outputs, limits)), "the model's own choices, one pass per request",
+                         enabled=progress, unit="request")
+    results, done = [], {}                # the same prompt, answer and limit again (another run's): checked once
+    for prompt, got, limit in items:
+        key = (tuple(prompt), tuple(int(t) for t in got), int(limit))
+        if key in done:
+            results.append(done[key])
+            continue
+        if not prompt:
+            raise ValueError("a prompt is empty: give at least one token")
+        check_positive_int("max_new_tokens", int(limit))
+        got = [int(t) for t in got]
+        if not got:
+            done[key] = greedy_check_from_logits(torch.empty(0, 1), [], int(limit), eos_token_ids=eos_token_ids,
+                                                 tie_tol=tie_tol)
+            results.append(done[key])
+            continue
+        ids = torch.tensor([list(prompt) + got[:-1]], device=model.device)   # the last token is predicted, not fed
+        logits = model(ids, attention_mask=torch.ones_like(ids), use_cache=False, logits_to_keep=len(got)).logits[0]
+        done[key] = greedy_check_from_logits(logits, got, int(limit), eos_token_ids=eos_token_ids, tie_tol=tie_tol)
+        results.append(done[key])
+    return results
