@@ -121,14 +121,19 @@ def compare_tokens(got_ids: list[int], reference_ids: list[int], reference_gaps:
     return Agreement(len(got_ids), len(reference_ids), None, None, tie_tol)
 
 
-def check_against_generate(model, prompts: list[list[int]], outputs: list[list[int]], max_new_tokens, *,
-                           eos_token_ids=(), tie_tol: float = TIE_TOL, progress: bool = False) -> list[Agreement]:
-    """One :class:`Agreement` per request: ``outputs[i]`` vs ``generate`` on ``prompts[i]`` alone."""
+def _requests(prompts, outputs, max_new_tokens) -> list[tuple]:
+    """``(prompt, output, limit)`` per request; ``max_new_tokens`` one limit for all or one per request."""
     limits = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
     if not (len(prompts) == len(outputs) == len(limits)):
         raise ValueError("prompts, outputs and max_new_tokens must have one entry per request")
-    items = progress_bar(list(zip(prompts, outputs, limits)), "generate, one prompt at a time", enabled=progress,
-                         unit="request")
+    return list(zip(prompts, outputs, limits))
+
+
+def check_against_generate(model, prompts: list[list[int]], outputs: list[list[int]], max_new_tokens, *,
+                           eos_token_ids=(), tie_tol: float = TIE_TOL, progress: bool = False) -> list[Agreement]:
+    """One :class:`Agreement` per request: ``outputs[i]`` vs ``generate`` on ``prompts[i]`` alone."""
+    items = progress_bar(_requests(prompts, outputs, max_new_tokens), "generate, one prompt at a time",
+                         enabled=progress, unit="request")
     results = []
     for prompt, got, limit in items:
         ref, gaps = reference_generate(model, prompt, limit, eos_token_ids=eos_token_ids)
@@ -204,7 +209,7 @@ def greedy_check_from_logits(logits: torch.Tensor, tokens: list[int], max_new_to
 
 @torch.no_grad()
 def check_greedy(model, prompts: list[list[int]], outputs: list[list[int]], max_new_tokens, *, eos_token_ids=(),
-                 tie_tol: float = TIE_TOL, progress: bool = False) -> list[GreedyCheck]:
+                 tie_tol: float = TIE_TOL, progress: bool = False, memo: dict | None = None) -> list[GreedyCheck]:
     """One :class:`GreedyCheck` per request: is ``outputs[i]`` the model's greedy answer to ``prompts[i]`` alone?
 
     The question :func:`check_against_generate` answers, in one forward pass per request instead of one per token:
@@ -213,29 +218,25 @@ def check_greedy(model, prompts: list[list[int]], outputs: list[list[int]], max_
     token, ``generate`` would write the same answer, since it too takes the largest logit after the same tokens. A
     near-tie is allowed at any token, not only at the first difference; the logits come from other shapes than
     ``generate``'s one-token steps, so they differ from its logits in the last bits, as any batch's do. A request
-    that repeats an earlier one of the same call (prompt, answer and limit) is checked once."""
-    limits = max_new_tokens if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
-    if not (len(prompts) == len(outputs) == len(limits)):
-        raise ValueError("prompts, outputs and max_new_tokens must have one entry per request")
-    items = progress_bar(list(zip(prompts, outputs, limits)), "the model's own choices, one pass per request",
-                         enabled=progress, unit="request")
-    results, done = [], {}                # the same prompt, answer and limit again (another run's): checked once
-    for prompt, got, limit in items:
-        key = (tuple(prompt), tuple(int(t) for t in got), int(limit))
-        if key in done:
-            results.append(done[key])
-            continue
-        if not prompt:
-            raise ValueError("a prompt is empty: give at least one token")
-        check_positive_int("max_new_tokens", int(limit))
+    that repeats an earlier one (the same prompt, answer, limit and rule) is checked once: within this call, and
+    across calls that pass the same ``memo`` dict (another run of the same requests, say)."""
+    memo = {} if memo is None else memo
+    eos, results = frozenset(int(t) for t in eos_token_ids), []
+    for prompt, got, limit in progress_bar(_requests(prompts, outputs, max_new_tokens),
+                                           "the model's own choices, one pass per request", enabled=progress,
+                                           unit="request"):
         got = [int(t) for t in got]
-        if not got:
-            done[key] = greedy_check_from_logits(torch.empty(0, 1), [], int(limit), eos_token_ids=eos_token_ids,
-                                                 tie_tol=tie_tol)
-            results.append(done[key])
-            continue
-        ids = torch.tensor([list(prompt) + got[:-1]], device=model.device)   # the last token is predicted, not fed
-        logits = model(ids, attention_mask=torch.ones_like(ids), use_cache=False, logits_to_keep=len(got)).logits[0]
-        done[key] = greedy_check_from_logits(logits, got, int(limit), eos_token_ids=eos_token_ids, tie_tol=tie_tol)
-        results.append(done[key])
+        key = (tuple(prompt), tuple(got), int(limit), eos, tie_tol)
+        if key not in memo:
+            if not prompt:
+                raise ValueError("a prompt is empty: give at least one token")
+            check_positive_int("max_new_tokens", int(limit))
+            if got:
+                ids = torch.tensor([list(prompt) + got[:-1]], device=model.device)   # the last token is predicted
+                logits = model(ids, attention_mask=torch.ones_like(ids), use_cache=False,
+                               logits_to_keep=len(got)).logits[0]
+            else:
+                logits = torch.empty(0, 1)
+            memo[key] = greedy_check_from_logits(logits, got, int(limit), eos_token_ids=eos, tie_tol=tie_tol)
+        results.append(memo[key])
     return results

@@ -120,3 +120,9 @@ def test_check_greedy_checks_a_repeated_request_once(tiny_model, monkeypatch):
     monkeypatch.setattr(tiny_model, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
     got = check_greedy(tiny_model, prompts * 3, answers * 3, 6)
     assert len(calls) == 2 and [c.exact for c in got] == [True] * 6
+    memo = {}                                                      # shared between calls: another run's answers
+    check_greedy(tiny_model, prompts, answers, 6, memo=memo)
+    again = check_greedy(tiny_model, prompts[::-1], answers[::-1], 6, memo=memo)
+    assert len(calls) == 4 and [c.exact for c in again] == [True, True]
+    check_greedy(tiny_model, prompts[:1], answers[:1], 6, memo=memo, eos_token_ids={answers[0][-1]})   # another rule
+    assert len(calls) == 5
