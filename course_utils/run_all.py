@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 
-from .peak_rss import PeakSampler, tree_rss_bytes
+from .peak_rss import PeakSampler, TreeRss
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
@@ -37,13 +37,10 @@ class Result:
     note: str = ""
 
 
-_SERVERS_SEEN: dict = {}      # (pid, start time) -> whether that process is a chapter's server
-
-
-def kernel_rss_bytes() -> int:
-    """RSS summed over this process's child processes (the Jupyter kernel and its children), except the servers
-    a chapter starts (chapter 11), which it reports itself."""
-    return tree_rss_bytes(psutil.Process(), _seen=_SERVERS_SEEN)
+def kernel_rss_reader() -> TreeRss:
+    """A reader of the RSS summed over this process's child processes (the Jupyter kernel and its children), except
+    the servers a chapter starts (chapter 11), which it reports itself."""
+    return TreeRss(psutil.Process())
 
 
 def chapter_notebooks(only: list[str] | None = None) -> list[Path]:
@@ -65,7 +62,7 @@ def _parse_value(text: str):
 def execute(path: Path, out_dir: Path, parameters: dict, *, timeout_s: int) -> Result:
     import papermill as pm
 
-    sampler = PeakSampler(kernel_rss_bytes, interval_s=0.05)
+    sampler = PeakSampler(kernel_rss_reader(), interval_s=0.05)
     sampler.start()
     t0 = time.perf_counter()
     status, error = "ok", ""

@@ -591,12 +591,6 @@ class VllmBench:
         self.close()
 
 
-def vllm_calculate_metrics(records, duration_s: float, *, percentiles=(50, 90, 99), goodput: dict | None = None) -> dict:
-    """vLLM's ``calculate_metrics`` on the course client's records, in a helper process of its own."""
-    with VllmBench() as helper:
-        return helper.calculate_metrics(records, duration_s, percentiles=percentiles, goodput=goodput)
-
-
 # --- inside the vLLM environment -----------------------------------------------------------------------------------
 
 def _session_main(out_dir: str, bench_args: list[str]) -> None:

@@ -384,11 +384,11 @@ def test_vllm_computes_the_same_figures_from_the_same_records_deterministic_chec
     recs.append(_rec(40, [], start=4.0, error="HTTP 500: boom"))
     recs.append(_rec(41, [0.2, 0.5], tokens=5, start=4.1))            # several tokens per chunk
     slo = SLO(ttft_ms=400, tpot_ms=60)
-    theirs = vllm_env.vllm_calculate_metrics(recs, 7.5, goodput=slo.as_dict())
-    _assert_same_figures(summarize(recs, 7.5, slo=slo), theirs)
     with vllm_env.VllmBench(wait=False) as helper:     # started, not waited for: its first call waits until it is ready
         assert helper.proc.poll() is None and not helper._ready
-        assert helper.calculate_metrics(recs, 7.5, goodput=slo.as_dict()) == theirs and helper._ready
+        theirs = helper.calculate_metrics(recs, 7.5, goodput=slo.as_dict())
+        assert helper._ready
+    _assert_same_figures(summarize(recs, 7.5, slo=slo), theirs)
     assert theirs["request_goodput"] > 0 and theirs["failed"] == 1
 
 
@@ -470,6 +470,37 @@ def test_the_main_job_leaves_a_chapters_servers_out_of_the_kernels_memory(tiny_g
         assert tree_rss_bytes(me) < with_servers - 50e6          # the server loaded a model; it is left out
     finally:
         server.stop()
+
+
+def test_the_main_jobs_memory_reader_lists_processes_every_few_calls_and_leaves_servers_out():
+    """run_all's reader re-lists the kernel's descendants only every few calls (a listing scans the whole machine):
+    a child started after a listing counts from the next one, and a server child never does."""
+    from course_utils.peak_rss import SERVER_ENV, TreeRss, tree_rss_bytes
+    hold = "import time; b = bytearray(b'x' * (150 * 2**20)); print('held', flush=True); time.sleep(60)"
+    parent = (f"import os, subprocess, sys; sys.stdin.readline(); hold = {hold!r}\n"
+              "kids = [subprocess.Popen([sys.executable, '-c', hold], stdout=sys.stdout),\n"
+              f"        subprocess.Popen([sys.executable, '-c', hold], stdout=sys.stdout, env=dict(os.environ, {SERVER_ENV}='t'))]\n"
+              "[k.wait() for k in kids]")
+    root = subprocess.Popen([sys.executable, "-c", parent], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        reader = TreeRss(psutil.Process(root.pid), relist_every=3)
+        assert reader() == 0                                  # call 0 lists: no child yet
+        root.stdin.write("go\n")
+        root.stdin.flush()
+        assert [root.stdout.readline(), root.stdout.readline()] == ["held\n", "held\n"]   # both hold 150 MiB
+        assert reader() == 0 and reader() == 0                # calls 1 and 2 read the old, empty list
+        counted = reader()                                    # call 3 lists again: the plain child, not the server
+        assert 150 * 2**20 <= counted < 2 * 150 * 2**20
+        assert abs(counted - tree_rss_bytes(psutil.Process(root.pid))) < 20 * 2**20
+        assert tree_rss_bytes(psutil.Process(root.pid), exclude_servers=False) >= 2 * 150 * 2**20
+        assert (reader.calls, reader.listings) == (4, 2)
+    finally:
+        for p in psutil.Process(root.pid).children(recursive=True):
+            p.kill()
+        root.kill()
+        root.wait()
+    with pytest.raises(ValueError, match="relist_every"):
+        TreeRss(relist_every=0)
 
 
 # ---- where vLLM can run, and the set-up step's messages ---------------------------------------------------------------
