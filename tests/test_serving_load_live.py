@@ -289,6 +289,21 @@ def test_a_client_that_stamps_tokens_at_the_wrong_chunk_fails_the_live_check(fak
     assert any("TTFT differs" in f for f in verdict.failures), verdict.failures
 
 
+def test_a_round_slowed_by_the_machine_does_not_fail_the_live_check_but_a_late_client_does():
+    """TTFT is compared on each client's fastest round: a round where a client waited for a CPU adds time to that
+    round only, while a client that stamps late does so in every round."""
+    exact = _schedule(TRACE)
+
+    def shifted(times, by_s, only=None):
+        return [RequestTimes(t.sent_at, t.ttft_s + by_s * (only in (None, i)), t.e2el_s + by_s * (only in (None, i)),
+                             t.output_tokens) for i, t in enumerate(times)]
+    disturbed = agreement([exact, shifted(exact, 4 * STEP_S, only=1)], [exact, exact])
+    assert disturbed.ok, disturbed.failures                   # a median of the two rounds would be 2 steps off
+    assert disturbed.rows[1].ttft_ours_s == exact[1].ttft_s and disturbed.rows[1].round_to_round_s > STEP_S
+    late = agreement([shifted(exact, STEP_S), shifted(shifted(exact, STEP_S), 4 * STEP_S, only=1)], [exact, exact])
+    assert not late.ok and len([f for f in late.failures if "TTFT differs" in f]) == len(exact)
+
+
 def test_a_miscounted_answer_fails_the_live_check():
     exact = _schedule(TRACE)
     wrong = [RequestTimes(t.sent_at, t.ttft_s, t.e2el_s, t.output_tokens + (i == 1)) for i, t in enumerate(exact)]
