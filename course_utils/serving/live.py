@@ -7,7 +7,8 @@ between them. For each request, the two clients must agree on:
 * the time to first token, each client's fastest round, within half of one decode step of that server. A client
   that stamps a token at the wrong streamed chunk -- the first token at the second chunk, every chunk after the
   whole body has arrived -- moves it by at least one step in every round, its fastest included; a round slowed by
-  the machine (a client or the server waiting for a CPU) only ever adds time, and its fastest round leaves it out.
+  the machine (a client or the server waiting for a CPU) only ever adds time, and the fastest leaves it out as long
+  as one round was not slowed. A client late in only some rounds is not seen.
   Errors smaller than that (where on loopback the send is stamped, a client's own parsing) change it by a few
   milliseconds at most, and are not what this check is for;
 * the time from first to last token (E2EL - TTFT), each client's median over its rounds, within half a step
