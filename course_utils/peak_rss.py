@@ -40,22 +40,26 @@ class PeakSampler(threading.Thread):
 SERVER_ENV = "COURSE_UTILS_SERVER"
 
 
-def tree_rss_bytes(root, *, exclude_servers: bool = True, _seen: dict | None = None) -> int:
+def tree_rss_bytes(root, *, exclude_servers: bool = True) -> int:
     """RSS summed over ``root``'s descendants (a ``psutil.Process``), leaving out servers marked with
-    :data:`SERVER_ENV` and everything under them. ``_seen`` remembers, between calls, the processes
-    (pid and start time) found to be servers."""
+    :data:`SERVER_ENV` and everything under them."""
+    return _rss_without_servers(_descendants(root), exclude_servers, {})
+
+
+def _descendants(root) -> list:
+    """``root``'s descendants, parents before their children (none if ``root`` is gone). Scans every process of the
+    machine."""
     import psutil
 
     try:
-        children = root.children(recursive=True)
+        return root.children(recursive=True)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return 0
-    return _rss_without_servers(children, exclude_servers, {} if _seen is None else _seen)
+        return []
 
 
 def _rss_without_servers(processes: list, exclude_servers: bool, seen: dict) -> int:
-    """RSS summed over ``processes`` (parents before their children, as ``children(recursive=True)`` lists them),
-    servers and their children left out where ``exclude_servers``; ``seen`` as in :func:`tree_rss_bytes`."""
+    """RSS summed over ``processes`` (parents before their children), servers and their children left out where
+    ``exclude_servers``; ``seen`` remembers, between calls, the processes (pid and start time) found to be servers."""
     import psutil
 
     total = 0
@@ -86,25 +90,20 @@ class TreeRss:
     process started since the last list is counted from the next one.
     """
 
-    def __init__(self, root=None, *, exclude_servers: bool = True, relist_every: int = 5):
+    def __init__(self, root=None, *, relist_every: int = 5):
         import psutil
 
         if not isinstance(relist_every, int) or isinstance(relist_every, bool) or relist_every < 1:
             raise ValueError(f"relist_every must be a positive integer, got {relist_every!r}")
         self.root = psutil.Process() if root is None else root
-        self.exclude_servers, self.relist_every = exclude_servers, relist_every
+        self.relist_every = relist_every
         self.calls = self.listings = 0
         self._seen: dict = {}
         self._listed: list = []
 
     def __call__(self) -> int:
-        import psutil
-
         if self.calls % self.relist_every == 0:
-            try:
-                self._listed = self.root.children(recursive=True)
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                self._listed = []
+            self._listed = _descendants(self.root)
             self.listings += 1
         self.calls += 1
-        return _rss_without_servers(self._listed, self.exclude_servers, self._seen)
+        return _rss_without_servers(self._listed, True, self._seen)

@@ -37,12 +37,6 @@ class Result:
     note: str = ""
 
 
-def kernel_rss_reader() -> TreeRss:
-    """A reader of the RSS summed over this process's child processes (the Jupyter kernel and its children), except
-    the servers a chapter starts (chapter 11), which it reports itself."""
-    return TreeRss(psutil.Process())
-
-
 def chapter_notebooks(only: list[str] | None = None) -> list[Path]:
     """The chapters in order; ``only`` keeps those whose name starts with one of the prefixes."""
     found = sorted(p for p in NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
@@ -62,7 +56,9 @@ def _parse_value(text: str):
 def execute(path: Path, out_dir: Path, parameters: dict, *, timeout_s: int) -> Result:
     import papermill as pm
 
-    sampler = PeakSampler(kernel_rss_reader(), interval_s=0.05)
+    # the RSS of this process's children (the Jupyter kernel and its own), except the servers a chapter starts
+    # (chapter 11), which it reports itself
+    sampler = PeakSampler(TreeRss(), interval_s=0.05)
     sampler.start()
     t0 = time.perf_counter()
     status, error = "ok", ""
