@@ -474,7 +474,7 @@ def _check_head_split(student, data: DistillData) -> None:
                          f"loss supports models whose logits are lm_head(last hidden state) (llama, qwen2, ...)")
 
 
-def training_step(student, data: DistillData, batch: torch.Tensor, loss: str, loss_chunk: int = 32) -> float:
+def training_step(student, data: DistillData, batch: torch.Tensor, loss: str, loss_chunk: int = 64) -> float:
     """One step's loss (mean over the batch's positions) and its gradients, the LM head ``loss_chunk`` positions
     at a time: only that many positions' vocabulary-wide logits (and their gradients) exist at once."""
     hidden = student.get_decoder()(input_ids=data.inputs[batch].to(student.device), use_cache=False).last_hidden_state
@@ -491,7 +491,7 @@ def training_step(student, data: DistillData, batch: torch.Tensor, loss: str, lo
 
 def train_student(student, data: DistillData, *, loss: str, steps: int, batch_size: int = 1, lr: float = 1e-3,
                   seed: int = 0, checkpoints: Sequence[int] = (), evaluate: Callable | None = None,
-                  max_grad_norm: float = 1.0, loss_chunk: int = 32, train: str = "all",
+                  max_grad_norm: float = 1.0, loss_chunk: int = 64, train: str = "all",
                   progress: bool = False) -> TrainingRun:
     """Train ``student`` in place with the soft-label (``loss="soft"``: :func:`top_k_distillation_loss` on the
     teacher's stored targets) or the hard-label loss (``"hard"``: :func:`hard_label_loss`) (chapter 09).
@@ -504,7 +504,8 @@ def train_student(student, data: DistillData, *, loss: str, steps: int, batch_si
     are :attr:`TrainingRun.checkpoints`. The optimizer's state is freed when the function returns.
     The loss is the mean over every position of the batch, computed (with its gradient) ``loss_chunk`` positions
     at a time: the logits are the largest tensors of a step (positions × vocabulary), and only a slice of them
-    exists at once.
+    exists at once. (64 rather than 32: with chapter 09's 4-layer student of the embedded model, 128-token windows,
+    a step took 0.134 s against 0.157 s, medians of three rounds on a 2-core Xeon; 128 was no quicker than 64.)
     """
     if loss not in LOSSES:
         raise ValueError(f"loss must be one of {LOSSES}, got {loss!r}")
