@@ -408,7 +408,7 @@ def vllm_server(tmp_path_factory):
 @pytest.mark.notebooks          # a minute with vLLM's start: it runs with the chapters, beside chapter 11's own live check
 def test_the_client_agrees_with_vllm_bench_serve_live_check(vllm_server, tmp_path):
     """``vllm bench serve`` and the course client on the same requests (a skewed trace's token ids, from a trace
-    file, no initial test request), one at a time, in turns (course, vLLM, vLLM, course), each client in a process
+    file, no initial test request), one at a time, in turns (course, vLLM, course, vLLM, as chapter 11), each client in a process
     of its own: request by request,
     the same output tokens and each TTFT within half a decode step (what a token stamped one chunk off would move
     it by; :mod:`course_utils.serving.live`). ``tests/test_serving_load_live.py`` shows the same check failing for
@@ -425,7 +425,7 @@ def test_the_client_agrees_with_vllm_bench_serve_live_check(vllm_server, tmp_pat
     with vllm_env.VllmBench(args, wait=False) as bench:                       # it imports vLLM while ...
         replay(server.base_url, "vllm", tr, max_concurrency=1, progress=False)   # ... this warms up the server
         assert bench.prompts == [list(r.prompt) for r in tr.requests]          # exactly the trace's tokens
-        for who in ("ours", "theirs", "theirs", "ours"):
+        for who in ("ours", "theirs", "ours", "theirs"):
             if who == "ours":
                 ours.append(times_from_records(replay_in_process(server.base_url, "vllm", tr, max_concurrency=1,
                                                                  warmup=1, progress=False, return_token_ids=False)))
@@ -476,7 +476,9 @@ def test_the_main_jobs_memory_reader_lists_processes_every_few_calls_and_leaves_
     """run_all's reader re-lists the kernel's descendants only every few calls (a listing scans the whole machine):
     a child started after a listing counts from the next one, and a server child never does."""
     from course_utils.peak_rss import SERVER_ENV, TreeRss, tree_rss_bytes
-    hold = "import time; b = bytearray(b'x' * (150 * 2**20)); print('held', flush=True); time.sleep(60)"
+    # one write of the whole line (os.write): the two children share the pipe, and print() may write "held" and its
+    # newline separately (unbuffered output), interleaving the two children's lines
+    hold = "import os, time; b = bytearray(b'x' * (150 * 2**20)); os.write(1, b'held\\n'); time.sleep(60)"
     parent = (f"import os, subprocess, sys; sys.stdin.readline(); hold = {hold!r}\n"
               "kids = [subprocess.Popen([sys.executable, '-c', hold], stdout=sys.stdout),\n"
               f"        subprocess.Popen([sys.executable, '-c', hold], stdout=sys.stdout, env=dict(os.environ, {SERVER_ENV}='t'))]\n"
