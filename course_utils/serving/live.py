@@ -12,8 +12,9 @@ between them. For each request, the two clients must agree on:
   Errors smaller than that (where on loopback the send is stamped, a client's own parsing) change it by a few
   milliseconds at most, and are not what this check is for;
 * the time from first to last token (E2EL - TTFT), each client's median over its rounds, within half a step
-  plus the server's own variation for
-  that request: the largest difference between two rounds of the same client. That time spans the whole
+  plus the round-to-round variation for
+  that request (server, clients and machine together): the largest difference between two rounds of the same
+  client, of either figure. That time spans the whole
   answer, so a busy machine moves it by more than a step between two rounds of one client; a comparison of
   two clients cannot be tighter than that. A client that stamps tokens late as it falls behind reading them
   is off by more.
