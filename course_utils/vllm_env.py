@@ -535,32 +535,15 @@ class VllmBench:
         self.proc.stdin.flush()
         self._expect("done")
 
-    def bench(self, alongside=None, *, delay_s: float = 0.0):
-        """One ``vllm bench serve`` round: its saved detailed result (ms; per-request ``ttfts``, ``itls``, ...).
-
-        ``alongside``: a function to run at the same moment (the course client's replay of the same
-        workload): the helper prepares the benchmark, waits until this process calls
-        ``alongside()``, and starts its clock then, so that the two clients measure the same server at
-        the same time. Returns ``(result, alongside's result)`` then. ``delay_s``: vLLM's client starts this
-        long after "go" (so that either client can be the one whose requests arrive first).
-        """
-        if delay_s < 0:
-            raise ValueError(f"delay_s must be >= 0 seconds, got {delay_s}")
+    def bench(self) -> dict:
+        """One ``vllm bench serve`` round: its saved detailed result (ms; per-request ``ttfts``, ``itls``, ...)."""
         self._working()
         name = f"round-{self.rounds}.json"
         self.rounds += 1
-        self.proc.stdin.write(json.dumps({"cmd": "bench", "name": name, "armed": alongside is not None,
-                                          "delay_s": float(delay_s)}) + "\n")
+        self.proc.stdin.write(json.dumps({"cmd": "bench", "name": name}) + "\n")
         self.proc.stdin.flush()
-        ours = None
-        if alongside is not None:
-            self._expect("armed")
-            self.proc.stdin.write("go\n")
-            self.proc.stdin.flush()
-            ours = alongside()
         self._expect("done")
-        result = json.loads((Path(self.tmp) / name).read_text())
-        return result if alongside is None else (result, ours)
+        return json.loads((Path(self.tmp) / name).read_text())
 
     def calculate_metrics(self, records, duration_s: float, *, percentiles=(50, 90, 99),
                           goodput: dict | None = None) -> dict:
@@ -596,7 +579,6 @@ class VllmBench:
 def _session_main(out_dir: str, bench_args: list[str]) -> None:
     """The helper process: draws the benchmark's prompts once, then runs commands read from stdin, one per line."""
     import argparse
-    import asyncio
     import contextlib
     from dataclasses import asdict
 
@@ -632,21 +614,8 @@ def _session_main(out_dir: str, bench_args: list[str]) -> None:
         if command["cmd"] == "bench":
             args = parser.parse_args(bench_args + ["--save-result", "--save-detailed", "--result-dir", out_dir,
                                                    "--result-filename", command["name"]])
-            original = serve.benchmark
-
-            async def when_told(*a, **kw):           # everything is prepared: wait for "go", then start the clock
-                print("@@armed", file=reply, flush=True)
-                sys.stdin.readline()
-                await asyncio.sleep(command.get("delay_s", 0.0))
-                return await original(*a, **kw)
-
-            if command.get("armed"):
-                serve.benchmark = when_told
-            try:
-                with contextlib.redirect_stdout(sys.stderr):
-                    serve.main(args)
-            finally:
-                serve.benchmark = original
+            with contextlib.redirect_stdout(sys.stderr):
+                serve.main(args)
         elif command["cmd"] == "metrics":
             data = json.loads(Path(command["src"]).read_text())
             outputs = [RequestFuncOutput(**o) for o in data["outputs"]]
