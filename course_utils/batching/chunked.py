@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 import plotly.graph_objects as go
 
 from ..plots import PALETTE, TEMPLATE
+from ..progress import progress_bar
 from ..validation import check_non_negative_int, check_positive_int
 
 
@@ -142,27 +143,33 @@ def long_prompt_arrives(model, stream_prompts: Sequence[Sequence[int]], long_pro
 
 
 def compare_chunking(model, stream_prompts, long_prompt, *, budget: int, rounds: int = 3, warmup: int = 1,
-                     **scenario) -> dict[str, list[LongPromptRun]]:
+                     progress: bool = True, **scenario) -> dict[str, list[LongPromptRun]]:
     """``{"off": runs, "on": runs}``: ``warmup`` untimed pairs, then ``rounds`` runs of each, taking turns (off, on,
-    off, on, ...) so machine noise hits both alike. ``scenario``: the other arguments of :func:`long_prompt_arrives`."""
+    off, on, ...) so machine noise hits both alike, with a progress bar between runs (``progress``). ``scenario``: the
+    other arguments of :func:`long_prompt_arrives`."""
     check_positive_int("rounds", rounds)
     check_non_negative_int("warmup", warmup)
     configs = {"off": dict(chunked_prefill=False), "on": dict(chunked_prefill=True, budget=budget)}
     runs: dict[str, list[LongPromptRun]] = {k: [] for k in configs}
-    for r in range(warmup + rounds):
-        for key, cfg in configs.items():
-            run = long_prompt_arrives(model, stream_prompts, long_prompt, **cfg, **scenario)
-            if r >= warmup:
-                runs[key].append(run)
+    with progress_bar(None, "chunking off / on", enabled=progress, total=(warmup + rounds) * len(configs),
+                      unit="run") as bar:
+        for r in range(warmup + rounds):
+            for key, cfg in configs.items():
+                run = long_prompt_arrives(model, stream_prompts, long_prompt, **cfg, **scenario)
+                if r >= warmup:
+                    runs[key].append(run)
+                bar.update(1)
     return runs
 
 
-def budget_sweep(model, stream_prompts, long_prompt, *, budgets: Sequence[int], **scenario) -> dict[int, LongPromptRun]:
+def budget_sweep(model, stream_prompts, long_prompt, *, budgets: Sequence[int], progress: bool = True,
+                 **scenario) -> dict[int, LongPromptRun]:
     """One run with chunked prefill per token budget (single runs: no spread), ``{budget: run}``."""
     if not budgets:
         raise ValueError("give at least one budget")
     return {int(b): long_prompt_arrives(model, stream_prompts, long_prompt, chunked_prefill=True, budget=int(b),
-                                        **scenario) for b in budgets}
+                                        **scenario)
+            for b in progress_bar(list(budgets), "token budgets", enabled=progress, unit="budget")}
 
 
 # ---- summaries: pure functions of a run ---------------------------------------------------------------------------
