@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from course_utils.stats import paired_t_test, t_p_value, t_quantile
+from course_utils.stats import paired_t_test, proportions_apart, t_p_value, t_quantile
 
 
 @pytest.mark.parametrize("df,quantile", [(1, 12.7062), (2, 4.3027), (3, 3.1824), (4, 2.7764), (9, 2.2622),
@@ -71,3 +71,18 @@ def test_binomial_p_value_is_the_exact_two_sided_test():
     for bad in [dict(k=-1, n=3, p=0.5), dict(k=4, n=3, p=0.5), dict(k=1, n=3, p=1.5)]:
         with pytest.raises(ValueError):
             binomial_p_value(**bad)
+
+
+def test_two_rates_are_apart_beyond_z_pooled_standard_errors():
+    # 60 of 100 against 40 of 100: pooled 0.5, standard error sqrt(0.25 * 2 / 100) = 0.0707; 0.2 apart is 2.8 of them
+    assert proportions_apart(60, 100, 40, 100) and proportions_apart(40, 100, 60, 100)
+    # 55 against 45: 0.1 apart is 1.4 standard errors, apart at z = 1 only
+    assert not proportions_apart(55, 100, 45, 100)
+    assert proportions_apart(55, 100, 45, 100, z=1.0)
+    assert proportions_apart(10, 10, 0, 10) and not proportions_apart(10, 10, 10, 10)
+    assert not proportions_apart(0, 0, 0, 0)                  # no trials on either side: nothing to tell apart
+    for bad in [(5, 4, 1, 2), (-1, 4, 1, 2), (1, 4, 1.0, 2)]:
+        with pytest.raises(ValueError, match="0 <= k <= n"):
+            proportions_apart(*bad)
+    with pytest.raises(ValueError, match="z must be positive"):
+        proportions_apart(1, 2, 1, 2, z=0)
