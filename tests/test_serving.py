@@ -414,25 +414,24 @@ def test_the_client_agrees_with_vllm_bench_serve_live_check(vllm_server, tmp_pat
     it by; :mod:`course_utils.serving.live`). ``tests/test_serving_load_live.py`` shows the same check failing for
     a client that stamps after the whole body or one chunk late."""
     from course_utils.models import load_model
-    from course_utils.serving import agreement, machine_busy, replay_in_process, times_from_bench, times_from_records
+    from course_utils.serving import (agreement, in_turns, machine_busy, replay_in_process, times_from_bench,
+                                      times_from_records)
     server, folder = vllm_server
     _, tok = load_model("embedded", verbose=False)
     base = skewed_trace(tok, 6, median_output=8, longest_output=24, total_output=72, prompt_tokens=(16, 48))
     tr = make_trace([r.prompt for r in base.requests], [r.output_tokens for r in base.requests], rate_per_s=math.inf)
     path = vllm_env.write_trace_file(tr, tmp_path / "trace.jsonl")
     args = vllm_env.bench_trace_args(server.base_url, folder, "vllm", path, num_prompts=len(tr))
-    ours, theirs = [], []
     with vllm_env.VllmBench(args, wait=False) as bench:                       # it imports vLLM while ...
         replay(server.base_url, "vllm", tr, max_concurrency=1, progress=False)   # ... this warms up the server
         assert bench.prompts == [list(r.prompt) for r in tr.requests]          # exactly the trace's tokens
-        for who in ("ours", "theirs", "ours", "theirs"):
-            if who == "ours":
-                ours.append(times_from_records(replay_in_process(server.base_url, "vllm", tr, max_concurrency=1,
-                                                                 warmup=1, progress=False, return_token_ids=False)))
-            else:
-                saved = bench.bench()
-                assert saved["input_lens"] == [r.prompt_tokens for r in tr.requests]
-                theirs.append(times_from_bench(saved))
+        def theirs_round():
+            saved = bench.bench()
+            assert saved["input_lens"] == [r.prompt_tokens for r in tr.requests]
+            return times_from_bench(saved)
+
+        ours, theirs = in_turns(2, lambda: times_from_records(replay_in_process(
+            server.base_url, "vllm", tr, max_concurrency=1, warmup=1, progress=False, return_token_ids=False)), theirs_round)
     verdict = agreement(ours, theirs)
     busy, load = machine_busy()
     if busy and not verdict.ok:

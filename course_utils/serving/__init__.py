@@ -60,7 +60,8 @@ from .load import (
     ttft_by_index_figure, SHARED_RATE_MERGE,
     ttft_growth,
 )
-from .live import ClientAgreement, RequestTimes, agreement, machine_busy, times_from_bench, times_from_records
+from .live import (ClientAgreement, RequestTimes, agreement, in_turns, machine_busy, times_from_bench,
+                   times_from_records)
 from .processes import ServerProcess, die_with_parent, free_port, stop_all_servers
 from .figures import latency_cdf_figure, stall_figure, timeline_figure
 
@@ -69,7 +70,7 @@ __all__ = [
     'Queueing', 'RatePoint', 'ReplayError', 'ReplayResult', 'RequestMetrics', 'RequestRecord', 'RequestTimes',
     'SLO', 'ServerProcess', 'Stalls', 'ServerUnreachable', 'ServingSummary', 'Spread', 'Trace', 'TraceRequest',
     'agreement', 'arrival_times_s', 'baseline_growth', 'by_rate', 'capacity_per_s', 'check_server', 'completion_payload',
-    'die_with_parent', 'distribution', 'served_knee', 'free_port', 'goodput', 'goodput_figure',
+    'die_with_parent', 'distribution', 'served_knee', 'free_port', 'goodput', 'goodput_figure', 'in_turns',
     'latency_cdf_figure', 'long_prompt_lengths', 'long_prompt_positions', 'long_prompt_trace', 'machine_busy',
     'make_trace', 'meets_slo', 'queueing', 'replay', 'replay_async', 'replay_in_process', 'request_metrics',
     'run_sync', 'skewed_trace', 'slo_from_solo', 'split_by_prompt', 'spread', 'sweep_rates', 'SweepRates', 'SHARED_RATE_MERGE', 'stall_figure', 'stalls', 'stop_all_servers',

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from ..validation import check_finite
+from ..validation import check_finite, check_positive_int
 from .client import ReplayResult
 from .metrics import request_metrics
 
@@ -71,6 +71,23 @@ def times_from_bench(saved: dict) -> list[RequestTimes]:
     if any(saved.get("errors") or []):
         raise ValueError(f"vllm bench serve reported failed requests: {[e for e in saved['errors'] if e][:3]}")
     return [RequestTimes(float(s), float(t), float(e), int(n)) for s, t, e, n in zip(*cols)]
+
+
+def in_turns(rounds: int, ours: Callable[[], list[RequestTimes]], theirs: Callable[[], list[RequestTimes]], *,
+             progress: bool = False) -> tuple[list[list[RequestTimes]], list[list[RequestTimes]]]:
+    """``rounds`` rounds of each client, taking turns: ours, theirs, ours, theirs, ... Two rounds in a row are never
+    one client's, so a slow spell of the machine over two rounds in a row slows one round of each. ``ours()`` and
+    ``theirs()`` each run one round and return its figures, request by request. Returns both clients' rounds, in
+    order, for :func:`agreement`. ``progress``: a progress bar, moved between rounds."""
+    from ..progress import progress_bar
+    check_positive_int("rounds", rounds)
+    done: tuple[list, list] = ([], [])
+    with progress_bar(None, "live check", enabled=progress, total=2 * rounds, unit="round") as bar:
+        for _ in range(rounds):
+            for side, run in zip(done, (ours, theirs)):
+                side.append(run())
+                bar.update(1)
+    return done
 
 
 @dataclass(frozen=True)
