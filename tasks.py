@@ -21,6 +21,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
 import venv
 from pathlib import Path
 
@@ -83,9 +84,16 @@ def main(argv: list[str]) -> int:
         return 2
     command, rest = argv[0], argv[1:]
     py = python()
-    install(py)
+    vllm_setup = None
     if command in ("run", "test", "setup"):
-        setup_vllm()
+        # the two environments install at once: each pip is one process, mostly unpacking and byte-compiling
+        vllm_setup = threading.Thread(target=setup_vllm, name="vllm-environment")
+        vllm_setup.start()
+    try:
+        install(py)
+    finally:
+        if vllm_setup is not None:
+            vllm_setup.join()
     env = dict(os.environ, HF_HUB_OFFLINE=os.environ.get("HF_HUB_OFFLINE", "1"), PYTHONUNBUFFERED="1")
     if command == "setup":
         return 0
