@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 import tomllib
 from pathlib import Path
@@ -27,6 +28,8 @@ def test_there_are_chapters_named_in_order():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_stored_clean_with_parameters(path):
+    raw = json.loads(Path(path).read_text(encoding="utf-8"))   # nbformat.read fills a missing cell id in silently
+    assert [i for i, c in enumerate(raw["cells"]) if not c.get("id")] == [], "cells without an id: nbtools clean adds them"
     nb = nbformat.read(path, as_version=4)
     assert problems(nb) == []
     params = [c for c in nb.cells if "parameters" in c.metadata.get("tags", [])]
