@@ -25,7 +25,8 @@ def _notebook(path, code: str, title: str = "# 01 — A tiny chapter"):
 def test_main_job_runs_notebooks_writes_summary_and_fails_on_error(tmp_path, monkeypatch):
     nbdir = tmp_path / "notebooks"
     nbdir.mkdir()
-    _notebook(nbdir / "01_ok.ipynb", "import plotly.graph_objects as go\nprint(N * 2)\ngo.Figure(go.Scatter(y=[1, 2]))")
+    _notebook(nbdir / "01_ok.ipynb", "import plotly.graph_objects as go\nfrom course_utils.plots import setup_notebook\n"
+                                     "setup_notebook()\nprint(N * 2)\ngo.Figure(go.Scatter(y=[1, 2]))")   # as chapters do
     _notebook(nbdir / "02_broken.ipynb", "raise RuntimeError('boom')", title="# 02 — Broken")
     monkeypatch.setattr(run_all, "NOTEBOOKS", nbdir)
     out = tmp_path / "build"
@@ -41,7 +42,8 @@ def test_main_job_runs_notebooks_writes_summary_and_fails_on_error(tmp_path, mon
     assert any("42" in o.get("text", "") for c in executed.cells if c.cell_type == "code" for o in c.outputs)
     assert "| 01_ok | ok |" in (out / "summary.md").read_text()
     index = (out / "site" / "index.html").read_text()
-    assert "01_ok.html" in index and "A tiny chapter" in index and (out / "site" / "01_ok.html").exists()
+    assert "01_ok.html" in index and "A tiny chapter" in index
+    assert "plotly-graph-div" in (out / "site" / "01_ok.html").read_text()     # the chart reached the page
 
 
 def test_only_selects_chapters_and_rejects_unknown(tmp_path, monkeypatch):
