@@ -91,6 +91,10 @@ def main(argv: list[str]) -> int:
         vllm_setup.start()
     try:
         install(py)
+    except BaseException:
+        if vllm_setup is not None and vllm_setup.is_alive():
+            print("The course's installation failed (above); waiting for the vLLM environment's to end ...", flush=True)
+        raise
     finally:
         if vllm_setup is not None:
             vllm_setup.join()
