@@ -425,13 +425,17 @@ def test_the_client_agrees_with_vllm_bench_serve_live_check(vllm_server, tmp_pat
     with vllm_env.VllmBench(args, wait=False) as bench:                       # it imports vLLM while ...
         replay(server.base_url, "vllm", tr, max_concurrency=1, progress=False)   # ... this warms up the server
         assert bench.prompts == [list(r.prompt) for r in tr.requests]          # exactly the trace's tokens
+
+        def ours_round():
+            return times_from_records(replay_in_process(server.base_url, "vllm", tr, max_concurrency=1, warmup=1,
+                                                        progress=False, return_token_ids=False))
+
         def theirs_round():
             saved = bench.bench()
             assert saved["input_lens"] == [r.prompt_tokens for r in tr.requests]
             return times_from_bench(saved)
 
-        ours, theirs = in_turns(2, lambda: times_from_records(replay_in_process(
-            server.base_url, "vllm", tr, max_concurrency=1, warmup=1, progress=False, return_token_ids=False)), theirs_round)
+        ours, theirs = in_turns(2, ours_round, theirs_round)
     verdict = agreement(ours, theirs)
     busy, load = machine_busy()
     if busy and not verdict.ok:

@@ -15,8 +15,7 @@ import pytest
 from course_utils import vllm_env
 from course_utils.serving import (
     GROWTH_LIMIT, RatePoint, ReplayResult, RequestRecord, RequestTimes, agreement, baseline_growth, capacity_per_s,
-    in_turns,
-    served_knee, make_trace, queueing, rate_sweep_figure, replay, slo_from_solo, spread, sweep_queueing,
+    in_turns, served_knee, make_trace, queueing, rate_sweep_figure, replay, slo_from_solo, spread, sweep_queueing,
     times_from_bench, times_from_records, ttft_by_index_figure, ttft_growth,
 )
 
@@ -327,7 +326,6 @@ def test_the_live_check_refuses_mismatched_rounds_and_reads_vllms_saved_result()
         times_from_bench({"ttfts": []})
 
 
-
 def test_the_two_clients_take_turns_round_by_round():
     """Never two rounds of one client in a row: a slow spell over two rounds in a row slows one round of each."""
     calls = []
@@ -343,6 +341,7 @@ def test_the_two_clients_take_turns_round_by_round():
     assert [r[0].sent_at for r in ours] == [1, 3, 5] and [r[0].sent_at for r in theirs] == [2, 4, 6]
     with pytest.raises(ValueError, match="rounds"):
         in_turns(0, client("ours"), client("theirs"))
+
 
 # ---- vLLM's start-up log and the trace file for its benchmark ---------------------------------------------------------
 
