@@ -132,12 +132,14 @@ def proportions_apart(k_a: int, n_a: int, k_b: int, n_b: int, *, z: float = 2.0)
     """Whether two rates, ``k_a`` successes of ``n_a`` and ``k_b`` of ``n_b``, lie more than ``z`` standard errors
     apart: the two-proportion comparison, its standard error from the pooled rate. It treats every trial as
     independent; where neighbouring trials are not (the guesses of one draft pass), it is optimistic. A group of no
-    trials has rate 0."""
+    trials has no rate to compare: never apart."""
     for name, k, n in (("a", k_a, n_a), ("b", k_b, n_b)):
         if not (isinstance(n, int) and isinstance(k, int) and 0 <= k <= n):
             raise ValueError(f"group {name}: need whole numbers 0 <= k <= n, got k={k!r}, n={n!r}")
     if not z > 0:
         raise ValueError(f"z must be positive, got {z!r}")
-    pooled = (k_a + k_b) / max(n_a + n_b, 1)
-    se = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / max(n_a, 1) + 1 / max(n_b, 1)))
-    return abs(k_a / max(n_a, 1) - k_b / max(n_b, 1)) > z * se
+    if n_a == 0 or n_b == 0:
+        return False
+    pooled = (k_a + k_b) / (n_a + n_b)
+    se = math.sqrt(max(pooled * (1 - pooled), 1e-12) * (1 / n_a + 1 / n_b))
+    return abs(k_a / n_a - k_b / n_b) > z * se

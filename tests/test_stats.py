@@ -81,6 +81,7 @@ def test_two_rates_are_apart_beyond_z_pooled_standard_errors():
     assert proportions_apart(55, 100, 45, 100, z=1.0)
     assert proportions_apart(10, 10, 0, 10) and not proportions_apart(10, 10, 10, 10)
     assert not proportions_apart(0, 0, 0, 0)                  # no trials on either side: nothing to tell apart
+    assert not proportions_apart(0, 0, 20, 20) and not proportions_apart(20, 20, 0, 0)   # nor on one side
     for bad in [(5, 4, 1, 2), (-1, 4, 1, 2), (1, 4, 1.0, 2)]:
         with pytest.raises(ValueError, match="0 <= k <= n"):
             proportions_apart(*bad)
